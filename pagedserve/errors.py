@@ -1,0 +1,106 @@
+"""The project's errors and the one place that maps them to HTTP status codes and gRPC status codes.
+
+Every layer raises these; the gateway turns them into OpenAI's error JSON, the gRPC servicers into a
+status with the message, and a gRPC error crossing a service boundary back into the same class.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import grpc
+
+
+class PagedServeError(Exception):
+    """Base class: a message for the client, and the parameter it is about, when there is one."""
+
+    http_status: HTTPStatus = HTTPStatus.INTERNAL_SERVER_ERROR
+    grpc_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    # OpenAI's error "type" field.
+    error_type: str = "internal_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequestError(PagedServeError):
+    http_status = HTTPStatus.BAD_REQUEST
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    error_type = "invalid_request_error"
+
+
+class ModelNotFoundError(PagedServeError):
+    http_status = HTTPStatus.NOT_FOUND
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    error_type = "invalid_request_error"
+
+    def __init__(self, model: str):
+        super().__init__(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+class AuthenticationError(PagedServeError):
+    http_status = HTTPStatus.UNAUTHORIZED
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    error_type = "authentication_error"
+
+
+class PayloadTooLargeError(PagedServeError):
+    http_status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    error_type = "invalid_request_error"
+
+
+class OverloadedError(PagedServeError):
+    """The waiting queue is full: the client should retry later."""
+
+    http_status = HTTPStatus.SERVICE_UNAVAILABLE
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    error_type = "server_overloaded"
+
+
+class UnavailableError(PagedServeError):
+    """No worker (or no scheduler) is there to serve the request right now."""
+
+    http_status = HTTPStatus.SERVICE_UNAVAILABLE
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    error_type = "service_unavailable"
+
+
+_BY_GRPC_CODE: dict[grpc.StatusCode, type[PagedServeError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+}
+
+
+def openai_error_body(error: PagedServeError) -> dict:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    return {
+        "error": {
+            "message": error.message,
+            "type": error.error_type,
+            "param": error.param,
+            "code": error.code if error.code is not None else int(error.http_status),
+        }
+    }
+
+
+def from_grpc_error(error: grpc.RpcError) -> PagedServeError:
+    """The project error for a gRPC error received from another service."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = error.details() if hasattr(error, "details") else str(error)
+    if code == grpc.StatusCode.NOT_FOUND:
+        err = PagedServeError(details or "not found")
+        err.http_status, err.grpc_code, err.error_type = HTTPStatus.NOT_FOUND, code, "invalid_request_error"
+        return err
+    cls = _BY_GRPC_CODE.get(code, PagedServeError)
+    return cls(details or code.name.lower())
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: PagedServeError) -> None:
+    """End a gRPC call with the error's status code and message (raises, as context.abort does)."""
+    await context.abort(error.grpc_code, error.message)

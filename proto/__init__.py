@@ -1,0 +1,1 @@
+"""Generated gRPC contracts (run `make proto` after editing a .proto file)."""
