@@ -1,0 +1,144 @@
+"""Block-granular radix trie of cached prefixes, one per worker.
+
+Each node is one full block: its key is the block's token ids, its parent the block before it, and
+one root per cache salt keeps tenants apart. The trie holds a block WITHOUT a reference count: the
+pool's count is the number of block tables holding the block, and a cached block whose count drops
+to zero stays in the trie (evictable) until the pool needs it back.
+
+NOTE: a request only inserts a block under a node whose block it holds itself (see
+KVCacheManager.cache_full_blocks), so whoever holds a node holds all of its ancestors. Hence an
+unreferenced node has no referenced descendant, every unreferenced node is evictable by evicting
+leaves first, and `num_evictable` is exact.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, eq=False)
+class CacheNode:
+    # Physical block holding the K/V of this node's tokens; -1 for a salt's root.
+    block_id: int
+    # The block's token ids (block_size of them); empty for a root.
+    key: tuple[int, ...]
+    # The node of the previous block; None for a root.
+    parent: CacheNode | None
+    # Nodes of the blocks that follow, by their token ids.
+    children: dict[tuple[int, ...], CacheNode] = field(default_factory=dict)
+    # Logical time of the last hit or release (larger is more recent).
+    last_used: int = 0
+    # Whether some block table holds the block (its pool reference count is above zero).
+    referenced: bool = True
+    # False once evicted.
+    alive: bool = True
+
+
+class PrefixCache:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        # Cached blocks no block table holds (all evictable, leaves first).
+        self.num_evictable = 0
+        self._roots: dict[str, CacheNode] = {}
+        self._node_of_block: list[CacheNode | None] = [None] * num_blocks
+        self._num_cached = 0
+        self._clock = 0
+        # (last_used, tie-breaker, node) of candidate leaves; stale entries are skipped on pop.
+        self._heap: list[tuple[int, int, CacheNode]] = []
+        self._pushes = 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self._num_cached
+
+    def root(self, salt: str) -> CacheNode:
+        node = self._roots.get(salt)
+        if node is None:
+            node = self._roots[salt] = CacheNode(block_id=-1, key=(), parent=None)
+        return node
+
+    def is_cached(self, block_id: int) -> bool:
+        return self._node_of_block[block_id] is not None
+
+    def node_of(self, block_id: int) -> CacheNode | None:
+        return self._node_of_block[block_id]
+
+    def match(self, salt: str, token_ids: list[int], max_blocks: int) -> list[CacheNode]:
+        """Longest cached path for the leading full blocks of token_ids, at most max_blocks long."""
+        bs = self.block_size
+        node = self._roots.get(salt)
+        path: list[CacheNode] = []
+        while node is not None and len(path) < max_blocks:
+            start = len(path) * bs
+            node = node.children.get(tuple(token_ids[start : start + bs]))
+            if node is not None:
+                path.append(node)
+        return path
+
+    def insert(self, parent: CacheNode, key: tuple[int, ...], block_id: int) -> CacheNode:
+        """Cache a referenced full block under parent; if a node with this key exists already
+        (another request computed the same block), keep it and return it."""
+        assert parent.alive and len(key) == self.block_size
+        node = parent.children.get(key)
+        if node is not None:
+            return node
+        assert self._node_of_block[block_id] is None, f"block {block_id} cached twice"
+        node = CacheNode(block_id=block_id, key=key, parent=parent, last_used=self._tick())
+        parent.children[key] = node
+        self._node_of_block[block_id] = node
+        self._num_cached += 1
+        return node
+
+    def on_referenced(self, block_id: int) -> None:
+        node = self._node_of_block[block_id]
+        assert node is not None and not node.referenced
+        node.referenced = True
+        node.last_used = self._tick()
+        self.num_evictable -= 1
+
+    def on_unreferenced(self, block_id: int) -> None:
+        node = self._node_of_block[block_id]
+        assert node is not None and node.referenced
+        node.referenced = False
+        node.last_used = self._tick()
+        self.num_evictable += 1
+        if not node.children:
+            self._push(node)
+
+    def evict(self) -> int:
+        """Remove the least recently used unreferenced leaf; return its block."""
+        while True:
+            last_used, _, node = heapq.heappop(self._heap)
+            if node.alive and not node.referenced and not node.children and node.last_used == last_used:
+                break
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key]
+        node.alive = False
+        self._node_of_block[node.block_id] = None
+        self._num_cached -= 1
+        self.num_evictable -= 1
+        if parent.parent is not None and not parent.referenced and not parent.children:
+            self._push(parent)
+        return node.block_id
+
+    def cached_nodes(self) -> list[CacheNode]:
+        """Every live node but the roots (for invariant checks)."""
+        return [n for n in self._node_of_block if n is not None]
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _push(self, node: CacheNode) -> None:
+        self._pushes += 1
+        heapq.heappush(self._heap, (node.last_used, self._pushes, node))
+        if len(self._heap) > 4 * len(self._node_of_block) + 64:
+            # Drop stale entries so the heap stays O(num_blocks).
+            self._heap = [
+                e
+                for e in self._heap
+                if e[2].alive and not e[2].referenced and not e[2].children and e[2].last_used == e[0]
+            ]
+            heapq.heapify(self._heap)

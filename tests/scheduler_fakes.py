@@ -1,0 +1,338 @@
+"""A deterministic stand-in for the worker, for scheduler tests only.
+
+FakeWorker executes StepPlans the way worker_svc will: it keeps per-slot token lists and block
+tables, refuses a broken plan whole (PlanError, state untouched), and simulates the KV pool: each
+cache position holds a fingerprint of the token written there AND of every token before it (a rolling
+hash), which is what real K/V depend on. Before computing, it checks that every position each
+scheduled token attends to holds the fingerprint of the right prefix: a strong end-to-end check of
+block tables, copy-on-write and prefix reuse. Samples are a hash of (seed, context), so a request
+recomputed after preemption samples the same tokens.
+
+Driver runs a Scheduler + PlanBuilder + FakeWorker loop, optionally pipelined.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedserve.proto import common_pb2, worker_pb2
+from pagedserve.scheduler_svc.plan import PlanBuilder
+from pagedserve.scheduler_svc.request import Request, RequestStatus
+from pagedserve.scheduler_svc.scheduler import RequestOutput, Scheduler, SchedulerOutput
+
+VOCAB_SIZE = 64
+EOS = 1
+
+
+class PlanError(Exception):
+    pass
+
+
+def fingerprint(prev: int, token: int) -> int:
+    return hash((prev, token))
+
+
+def sample(seed: int, context_fingerprint: int, vocab_size: int = VOCAB_SIZE) -> int:
+    return hash((seed, context_fingerprint, 0x5EED)) % vocab_size
+
+
+def expected_tokens(prompt: list[int], seed: int, n: int, vocab_size: int = VOCAB_SIZE) -> list[int]:
+    """What the fake samples for a prompt run alone: the reference for any schedule."""
+    fp = 0
+    for t in prompt:
+        fp = fingerprint(fp, t)
+    out = []
+    for _ in range(n):
+        t = sample(seed, fp, vocab_size)
+        out.append(t)
+        fp = fingerprint(fp, t)
+    return out
+
+
+@dataclass
+class _Slot:
+    tokens: list[int]
+    prompt_len: int
+    num_computed: int
+    seed: int
+    logprobs: int | None
+    table: list[int] = field(default_factory=list)
+    # fingerprints[p]: fingerprint of tokens[: p + 1]
+    fingerprints: list[int] = field(default_factory=list)
+
+    def extend_fingerprints(self) -> None:
+        fps = self.fingerprints
+        prev = fps[-1] if fps else 0
+        for t in self.tokens[len(fps) :]:
+            prev = fingerprint(prev, t)
+            fps.append(prev)
+
+
+class FakeWorker:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = VOCAB_SIZE) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.slots: dict[int, _Slot] = {}
+        self.last_step_id = 0
+        self.num_copies = 0
+
+    # ---------------------------------------------------------------- validation (no side effect)
+
+    def validate(self, plan: worker_pb2.StepPlan) -> None:
+        bs = self.block_size
+        if plan.step_id != self.last_step_id + 1:
+            raise PlanError(f"step {plan.step_id} after {self.last_step_id}")
+        departed = list(plan.finished_slots) + list(plan.preempted_slots)
+        if len(set(departed)) != len(departed) or any(s not in self.slots for s in departed):
+            raise PlanError(f"departing slots {departed} not all live")
+        live = set(self.slots) - set(departed)
+        table_len = {s: len(self.slots[s].table) for s in live}
+        info = {s: (self.slots[s].num_computed, len(self.slots[s].tokens)) for s in live}
+        for new in plan.new_requests:
+            if new.slot in live:
+                raise PlanError(f"new request on live slot {new.slot}")
+            if not 0 < new.prompt_len <= len(new.token_ids) or new.num_computed_tokens >= len(new.token_ids):
+                raise PlanError(f"bad new request on slot {new.slot}")
+            live.add(new.slot)
+            table_len[new.slot] = 0
+            info[new.slot] = (new.num_computed_tokens, len(new.token_ids))
+        blocks = [*plan.new_block_ids, *plan.replaced_block_ids, *plan.copy_src_blocks, *plan.copy_dst_blocks]
+        if any(b >= self.num_blocks for b in blocks):
+            raise PlanError("block id out of range")
+        if len(plan.copy_src_blocks) != len(plan.copy_dst_blocks):
+            raise PlanError("copy lists differ in length")
+        for s, idx in zip(plan.replaced_slots, plan.replaced_block_indices, strict=True):
+            if s not in live or idx >= table_len[s]:
+                raise PlanError(f"replacement of entry {idx} of slot {s} out of range")
+        n = len(plan.slots)
+        if len(plan.num_scheduled_tokens) != n or len(plan.num_new_blocks) != n:
+            raise PlanError("scheduled arrays differ in length")
+        if sum(plan.num_new_blocks) != len(plan.new_block_ids) or len(set(plan.slots)) != n:
+            raise PlanError("new blocks do not add up, or a slot is scheduled twice")
+        for s, k, nb in zip(plan.slots, plan.num_scheduled_tokens, plan.num_new_blocks, strict=True):
+            if s not in live or k == 0:
+                raise PlanError(f"slot {s} scheduled but not live, or with no tokens")
+            computed, known = info[s]
+            if computed + k > known:
+                raise PlanError(f"slot {s}: {k} tokens scheduled, {known - computed} available")
+            if -(-(computed + k) // bs) > table_len[s] + nb:
+                raise PlanError(f"slot {s}: block table too short")
+
+    # ---------------------------------------------------------------- execution
+
+    def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        self.validate(plan)
+        bs = self.block_size
+        self.last_step_id = plan.step_id
+        for s in (*plan.finished_slots, *plan.preempted_slots):
+            del self.slots[s]
+        for new in plan.new_requests:
+            sp = new.sampling
+            slot = self.slots[new.slot] = _Slot(
+                tokens=list(new.token_ids),
+                prompt_len=new.prompt_len,
+                num_computed=new.num_computed_tokens,
+                seed=sp.seed if sp.HasField("seed") else 0,
+                logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+            )
+            slot.extend_fingerprints()
+        for s, idx, b in zip(
+            plan.replaced_slots, plan.replaced_block_indices, plan.replaced_block_ids, strict=True
+        ):
+            self.slots[s].table[idx] = b
+        pos = 0
+        for s, nb in zip(plan.slots, plan.num_new_blocks, strict=True):
+            self.slots[s].table.extend(plan.new_block_ids[pos : pos + nb])
+            pos += nb
+        for src, dst in zip(plan.copy_src_blocks, plan.copy_dst_blocks, strict=True):
+            self.kv[dst] = list(self.kv[src])
+            self.num_copies += 1
+        # Write every scheduled token's K/V first (one forward pass), then check what each reads.
+        for s, k in zip(plan.slots, plan.num_scheduled_tokens, strict=True):
+            slot = self.slots[s]
+            for p in range(slot.num_computed, slot.num_computed + k):
+                self.kv[slot.table[p // bs]][p % bs] = slot.fingerprints[p]
+        result = worker_pb2.StepResult(step_id=plan.step_id)
+        for s, k in zip(plan.slots, plan.num_scheduled_tokens, strict=True):
+            slot = self.slots[s]
+            slot.num_computed += k
+            self._check_attention(s, slot)
+            if slot.num_computed == len(slot.tokens):
+                token = sample(slot.seed, slot.fingerprints[-1], self.vocab_size)
+                slot.tokens.append(token)
+                slot.extend_fingerprints()
+                result.sampled_slots.append(s)
+                result.sampled_token_ids.append(token)
+                result.sampled_logprobs.append(-0.1 * (1 + token % 10))
+                result.sampled_ranks.append(1 + token % 3)
+                k_top = slot.logprobs or 0
+                result.num_top_logprobs.append(k_top)
+                result.top_token_ids.extend((token + j) % self.vocab_size for j in range(k_top))
+                result.top_logprobs.extend(-0.1 * (j + 1) for j in range(k_top))
+        return result
+
+    def _check_attention(self, s: int, slot: _Slot) -> None:
+        """Every position 0..num_computed-1 reads the fingerprint of the right prefix."""
+        bs = self.block_size
+        fps = slot.fingerprints
+        end = slot.num_computed
+        for i in range(-(-end // bs)):
+            lo, hi = i * bs, min((i + 1) * bs, end)
+            got = self.kv[slot.table[i]][: hi - lo]
+            if got != fps[lo:hi]:
+                raise AssertionError(f"slot {s} block {i} (physical {slot.table[i]}) holds the wrong K/V")
+
+
+@dataclass
+class SeqLog:
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    stop_token_id: int | None = None
+    num_cached_tokens: int = 0
+
+
+class Driver:
+    """Scheduler -> PlanBuilder -> FakeWorker, with `lag` results held back (pipelining)."""
+
+    def __init__(self, scheduler: Scheduler, lag: int = 0, check=None) -> None:
+        cfg = scheduler.config
+        self.scheduler = scheduler
+        self.builder = PlanBuilder()
+        self.worker = FakeWorker(cfg.num_blocks, cfg.block_size)
+        self.lag = lag
+        self.check = check  # called after every schedule and every update
+        self.in_flight: deque[tuple[SchedulerOutput, worker_pb2.StepResult]] = deque()
+        self.logs: dict[tuple[str, int], SeqLog] = {}
+        self.outputs: list[SchedulerOutput] = []
+        self.plans: list[worker_pb2.StepPlan] = []
+
+    def schedule(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        plan = self.builder.build(out)
+        result = self.worker.execute(plan)
+        assert self.builder.requests_at(out.step_id, list(result.sampled_slots)) == out.sampled
+        self.outputs.append(out)
+        self.plans.append(plan)
+        self.in_flight.append((out, result))
+        if self.check:
+            self.check()
+        return out
+
+    def update(self) -> list[RequestOutput]:
+        out, result = self.in_flight.popleft()
+        outputs = self.scheduler.update_from_output(out, result)
+        self.record(outputs)
+        if self.check:
+            self.check()
+        return outputs
+
+    def record(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            log = self.logs.setdefault((o.request_id, o.index), SeqLog())
+            assert not log.finish_reason, f"{o.request_id}/{o.index} got output after finishing"
+            log.tokens.extend(o.new_token_ids)
+            log.finish_reason = o.finish_reason
+            log.stop_token_id = o.stop_token_id
+            log.num_cached_tokens = o.num_cached_tokens
+            assert o.num_output_tokens == len(log.tokens)
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        outputs = self.scheduler.abort_request(request_id)
+        self.record(outputs)
+        return outputs
+
+    def step(self) -> SchedulerOutput:
+        out = self.schedule()
+        while len(self.in_flight) > self.lag:
+            self.update()
+        return out
+
+    def drain(self) -> None:
+        while self.in_flight:
+            self.update()
+
+    def run(self, max_steps: int = 100_000) -> int:
+        steps = 0
+        while self.scheduler.has_unfinished_requests():
+            self.step()
+            steps += 1
+            assert steps <= max_steps, "requests did not finish"
+        self.drain()
+        return steps
+
+
+def make_request(
+    request_id: str,
+    prompt: list[int],
+    *,
+    eos: int | None = EOS,
+    salt: str = "",
+    priority: int = 0,
+    **sampling,
+) -> Request:
+    """A request as the engine builds it; sampling takes SamplingParams fields (max_tokens=...)."""
+    return Request(
+        request_id=request_id,
+        token_ids=list(prompt),
+        prompt_len=len(prompt),
+        sampling=common_pb2.SamplingParams(**sampling),
+        eos_token_ids=frozenset() if eos is None else frozenset({eos}),
+        cache_salt=salt,
+        priority=priority,
+    )
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    """Block accounting of a scheduler, exactly:
+    - a block's reference count == the number of block table entries (of live requests) holding
+      it; the prefix trie holds blocks without counting;
+    - every block is exactly one of: free (uncached, ref 0), cached and unreferenced, in use;
+    - a request's table has ceil(num_computed_tokens / block_size) entries, where
+      num_computed_tokens counts the tokens of every plan built so far (in flight included);
+    - the trie path of a request's cached blocks is its table's prefix;
+    - with no live request, no block is in use."""
+    kv = scheduler.kv
+    pool, cache = kv.pool, kv.cache
+    bs = scheduler.config.block_size
+    holders = [0] * pool.num_blocks
+    live = [r for group in scheduler._requests.values() for r in group]
+    assert sorted(map(id, live)) == sorted(map(id, scheduler.running + scheduler.waiting))
+    for req in live:
+        if req.status is RequestStatus.WAITING:
+            assert not req.block_table and req.num_computed_tokens == 0
+        assert len(req.block_table) == -(-req.num_computed_tokens // bs), req
+        assert req.num_computed_tokens <= req.num_tokens
+        assert req.num_output_tokens + req.num_pending_tokens <= req.max_output_tokens
+        for b in req.block_table:
+            holders[b] += 1
+        if req.cache_node is not None:
+            chain = []
+            node = req.cache_node
+            while node.parent is not None:
+                assert node.alive
+                chain.append(node.block_id)
+                node = node.parent
+            assert chain[::-1] == req.block_table[: req.num_cached_blocks]
+    assert holders == pool.ref_counts
+    free = pool.free_block_ids()
+    assert len(set(free)) == len(free)
+    assert all(pool.ref_counts[b] == 0 for b in free), "a block is both free and referenced"
+    cached_unref = 0
+    if cache is not None:
+        assert not any(cache.is_cached(b) for b in free)
+        for node in cache.cached_nodes():
+            assert node.alive and node.parent is not None and node.parent.children[node.key] is node
+            assert node.referenced == (pool.ref_counts[node.block_id] > 0)
+            if not node.referenced:
+                cached_unref += 1
+                # NOTE: whoever holds a node holds its ancestors, so nothing below is held.
+                assert all(not c.referenced for c in node.children.values())
+        assert cached_unref == cache.num_evictable
+    in_use = sum(1 for c in pool.ref_counts if c > 0)
+    assert len(free) + cached_unref + in_use == pool.num_blocks
+    assert pool.num_used_blocks == in_use
+    if not live:
+        assert in_use == 0, "blocks leaked"

@@ -1,0 +1,160 @@
+from pagedserve.scheduler_svc.block_pool import BlockPool
+from pagedserve.scheduler_svc.config import SchedulerConfig
+from pagedserve.scheduler_svc.prefix_cache import PrefixCache
+from pagedserve.scheduler_svc.scheduler import Scheduler
+from scheduler_fakes import Driver, check_invariants, make_request
+
+BS = 4
+
+
+def _chain(cache: PrefixCache, pool: BlockPool, keys: list[tuple[int, ...]], salt: str = ""):
+    node = cache.root(salt)
+    blocks = pool.allocate(len(keys))
+    for key, b in zip(keys, blocks, strict=True):
+        node = cache.insert(node, key, b)
+    return blocks
+
+
+def _cache(num_blocks: int = 8) -> tuple[PrefixCache, BlockPool]:
+    cache = PrefixCache(num_blocks, 2)
+    return cache, BlockPool(num_blocks, cache)
+
+
+def test_match_returns_longest_cached_path_up_to_max_blocks():
+    cache, pool = _cache()
+    blocks = _chain(cache, pool, [(1, 2), (3, 4), (5, 6)])
+    assert [n.block_id for n in cache.match("", [1, 2, 3, 4, 9, 9], 3)] == blocks[:2]
+    assert [n.block_id for n in cache.match("", [1, 2, 3, 4, 5, 6, 7], 2)] == blocks[:2]
+    assert cache.match("", [2, 1], 1) == []
+
+
+def test_eviction_takes_leaves_before_their_parents():
+    cache, pool = _cache(num_blocks=3)
+    parent, child, other = _chain(cache, pool, [(1, 2), (3, 4)]) + _chain(cache, pool, [(7, 7)])
+    pool.free([parent])  # the parent is released first: least recently used, but interior
+    pool.free([child])
+    pool.free([other])
+    assert cache.evict() == child
+    assert cache.evict() == parent
+    assert cache.evict() == other
+
+
+def test_interior_node_becomes_evictable_once_its_children_are_gone():
+    cache, pool = _cache(num_blocks=3)
+    a, b = _chain(cache, pool, [(1, 2), (3, 4)])
+    pool.free([a, b])
+    assert cache.num_evictable == 2
+    assert pool.allocate(2) == [2, b]  # the free block, then the leaf
+    assert pool.allocate(1) == [a]
+
+
+def test_different_salts_never_share():
+    cache, pool = _cache()
+    _chain(cache, pool, [(1, 2)], salt="tenant-a")
+    assert cache.match("tenant-b", [1, 2, 3], 1) == []
+    assert cache.match("", [1, 2, 3], 1) == []
+    assert len(cache.match("tenant-a", [1, 2, 3], 1)) == 1
+
+
+def test_second_insert_of_same_block_keeps_existing_node():
+    cache, pool = _cache()
+    (first,) = _chain(cache, pool, [(1, 2)])
+    (second,) = pool.allocate(1)
+    node = cache.insert(cache.root(""), (1, 2), second)
+    assert node.block_id == first and not cache.is_cached(second)
+
+
+def _scheduler(**kw) -> Scheduler:
+    cfg = dict(num_blocks=32, block_size=BS, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    return Scheduler(SchedulerConfig(**(cfg | kw)))
+
+
+def test_full_prompt_hit_still_computes_last_token():
+    s = _scheduler()
+    d = Driver(s, check=lambda: check_invariants(s))
+    prompt = list(range(10, 22))  # 3 full blocks
+    s.add_request(make_request("a", prompt, max_tokens=1))
+    d.run()
+    s.add_request(make_request("b", prompt, max_tokens=1))
+    out = d.step()
+    # 2 blocks hit: a third would cover the last prompt token, which must be computed to sample.
+    assert out.num_scheduled_tokens == [4]
+    assert s.stats().prefix_cache_hits == 8
+    d.run()
+    assert d.logs[("b", 0)].num_cached_tokens == 8
+
+
+def test_hit_reuses_blocks_of_a_finished_request_and_counts_tokens():
+    s = _scheduler()
+    d = Driver(s, check=lambda: check_invariants(s))
+    s.add_request(make_request("a", list(range(20, 37)), max_tokens=3))
+    d.run()
+    s.add_request(make_request("b", [*range(20, 33), 99, 98], max_tokens=3))
+    out = d.step()
+    assert out.num_scheduled_tokens == [15 - 12]
+    stats = s.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (17 + 15, 12)
+    d.run()
+
+
+def test_generated_tokens_fill_blocks_that_later_requests_hit():
+    s = _scheduler()
+    d = Driver(s, check=lambda: check_invariants(s))
+    s.add_request(make_request("a", [5, 6], max_tokens=12, eos=None))
+    d.run()
+    full = [5, 6, *d.logs[("a", 0)].tokens]  # 14 tokens: 3 full blocks, all cacheable
+    s.add_request(make_request("b", full, max_tokens=1))
+    d.step()
+    assert s.stats().prefix_cache_hits == 12
+    d.run()
+
+
+def test_requests_with_different_salts_compute_their_own_blocks():
+    s = _scheduler()
+    d = Driver(s, check=lambda: check_invariants(s))
+    prompt = list(range(30, 47))
+    s.add_request(make_request("a", prompt, salt="x", max_tokens=1))
+    d.run()
+    s.add_request(make_request("b", prompt, salt="y", max_tokens=1))
+    out = d.step()
+    assert out.num_scheduled_tokens == [17] and s.stats().prefix_cache_hits == 0
+    d.run()
+
+
+def test_same_step_request_shares_blocks_scheduled_before_it():
+    # NOTE: safe because every layer writes the whole batch's K/V before attending.
+    s = _scheduler()
+    d = Driver(s, check=lambda: check_invariants(s))
+    prompt = list(range(40, 49))
+    s.add_request(make_request("a", prompt, max_tokens=4))
+    s.add_request(make_request("b", prompt, max_tokens=4))
+    out = d.step()
+    assert out.num_scheduled_tokens == [9, 1]
+    a, b = s.running
+    assert a.block_table[:2] == b.block_table[:2]
+    d.run()
+
+
+def test_concurrently_computed_same_block_keeps_the_first_node_and_the_second_stays_private():
+    s = _scheduler()
+    d = Driver(s, check=lambda: check_invariants(s))
+    # Unseeded forks sample the same tokens, so both fill an identical block 1 at the same step.
+    s.add_request(make_request("a", [40, 41, 42, 43, 44], max_tokens=6, n=2, eos=None))
+    for _ in range(6):
+        d.step()
+    first, second = s.running
+    assert first.block_table[0] == second.block_table[0]  # the shared prompt block
+    assert first.block_table[1] != second.block_table[1]
+    assert s.kv.cache.is_cached(first.block_table[1]) and not s.kv.cache.is_cached(second.block_table[1])
+    assert second.cache_node is None  # it caches nothing further under a node it doesn't hold
+    d.run()
+    assert d.logs[("a", 0)].tokens == d.logs[("a", 1)].tokens
+
+
+def test_disabled_prefix_caching_never_hits():
+    s = _scheduler(enable_prefix_caching=False)
+    d = Driver(s, check=lambda: check_invariants(s))
+    for rid in "ab":
+        s.add_request(make_request(rid, list(range(1, 18)), max_tokens=2))
+        d.run()
+    assert s.stats().prefix_cache_hits == 0 and s.kv.pool.num_used_blocks == 0
