@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# `make gpu-check`: everything that needs a GPU, in one run on a fresh machine without internet.
+#   1. report what is there (GPU, python, torch, CuPy, nvcc, wheels carried in .whl/)
+#   2. install torch (CUDA) / CuPy from .whl/ if missing, and the project itself (--no-deps)
+#   3. compile every kernel (NVRTC, in parallel, warming CuPy's cache), run tests/test_kernels_cuda.py
+#   4. the kernel benchmark (tables + plot)
+#   5. the end-to-end decode check (random-weight Llama-shaped model, CUDA vs reference)
+# Results go to $OUT (or bench/results); each stage has its own time limit, the whole well under 10 min.
+set -u
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-$PWD/bench/results}"
+mkdir -p "$OUT_DIR"
+LOG="$OUT_DIR/gpu_check.log"
+: >"$LOG"
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch" 2>/dev/null; then PY=.venv/bin/python; else PY=python3; fi
+fi
+status=0
+say() { echo "== $*" | tee -a "$LOG"; }
+stage() {  # stage NAME SECONDS CMD...: run with a time limit, log, remember failure
+  local name=$1 limit=$2
+  shift 2
+  say "$name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  say "$name: rc=$rc in $((SECONDS - t0))s"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+say "environment"
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "nvidia-smi: not found"
+  echo "python: $($PY --version 2>&1) ($PY)"
+  command -v nvcc >/dev/null && nvcc --version | tail -1 || echo "nvcc: not found (CI compile test will skip)"
+  ls -1 .whl/*.whl 2>/dev/null | sed 's/^/wheel: /' || true
+  $PY - <<'EOF'
+import importlib.metadata as md
+for name in ("torch", "cupy-cuda12x", "cupy-cuda13x", "numpy", "pytest", "matplotlib"):
+    try:
+        print(f"{name}: {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"{name}: missing")
+try:
+    import torch
+    print("torch cuda:", torch.version.cuda, "available:", torch.cuda.is_available())
+except Exception as e:
+    print("torch import failed:", e)
+EOF
+} 2>&1 | tee -a "$LOG"
+
+# Install from the carried wheels only (no index: the machine is offline).
+need_torch=$($PY -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null && echo no || echo yes)
+if [ "$need_torch" = yes ] && ls .whl/torch-*.whl >/dev/null 2>&1; then
+  stage "install torch from .whl" 300 $PY -m pip install --no-index --find-links .whl torch
+fi
+if ! $PY -c "import cupy" 2>/dev/null; then
+  major=$($PY -c "import torch; print((torch.version.cuda or '12').split('.')[0])" 2>/dev/null || echo 12)
+  if ls .whl/cupy_cuda${major}x-*.whl >/dev/null 2>&1; then
+    stage "install cupy-cuda${major}x from .whl" 120 $PY -m pip install --no-index --find-links .whl "cupy-cuda${major}x"
+  else
+    say "no cupy-cuda${major}x wheel in .whl/; the CUDA kernels cannot load"
+  fi
+fi
+for pkg in pytest matplotlib; do
+  $PY -c "import $pkg" 2>/dev/null || $PY -m pip install --no-index --find-links .whl "$pkg" >>"$LOG" 2>&1 || true
+done
+if ! $PY -c "import pagedserve.kernels.cuda_ops" 2>/dev/null; then
+  stage "install pagedserve (no deps)" 120 $PY -m pip install --no-deps --no-build-isolation -e .
+fi
+
+# CuPy finds NVRTC through the loader path; torch's pip wheels bring it under site-packages/nvidia/*/lib.
+NV_LIBS=$($PY -c "
+import glob, os, site
+dirs = []
+for sp in site.getsitepackages():
+    dirs += glob.glob(os.path.join(sp, 'nvidia', '*', 'lib'))
+print(':'.join(dirs))" 2>/dev/null)
+export LD_LIBRARY_PATH="${NV_LIBS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-$PWD/.cupy_cache}"
+
+stage "kernel availability" 60 $PY -c "
+from pagedserve.kernels import cuda_ops
+cuda_ops._cupy()
+import cupy; print('cupy', cupy.__version__, 'runtime', cupy.cuda.runtime.runtimeGetVersion())"
+
+# (The nvcc compile test is the CI check and runs without a GPU; it is not repeated here.)
+stage "kernel tests vs reference" 300 $PY -m pytest -q -p no:cacheprovider --maxfail 20 --timeout 280 tests/test_kernels_cuda.py \
+  --junitxml "$OUT_DIR/test_kernels_cuda.xml"
+stage "kernel benchmark" 240 $PY bench/bench_kernels.py --out "$OUT_DIR/bench_kernels.md" --plot "$OUT_DIR/bench_kernels.png"
+stage "end-to-end decode" 180 $PY bench/gpu_e2e.py
+say "done: status=$status, results in $OUT_DIR"
+exit $status

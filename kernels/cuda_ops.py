@@ -1,0 +1,562 @@
+"""CUDA implementation of the kernel ops (same signatures as pagedserve.kernels.reference).
+
+The kernels in kernels/*.cu are compiled at run time with NVRTC through CuPy (RawModule, one module per
+template instantiation, cached in memory and by CuPy on disk) and launched on torch's current stream with
+torch's raw device pointers: no copy, no DLPack round trip, no extra synchronisation.
+
+CuPy is an optional extra and is imported only when a kernel is first needed, so importing this module on a
+machine without CuPy or without a GPU works; calling an op there raises CudaOpsUnavailable naming the
+package that would fix it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import math
+import os
+import re
+import weakref
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+KERNEL_DIR = Path(__file__).resolve().parent
+CU_FILES = ("cache_ops.cu", "decode_attention.cu", "prefill_attention.cu")
+
+# What the templates are instantiated for. The loader refuses anything else with a clear error.
+DTYPE_TAGS: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+HEAD_SIZES = (64, 80, 96, 128, 256)
+BLOCK_SIZES = (8, 16, 32)
+# Query heads handled by one decode CTA (template GMAX); larger GQA groups are split over several CTAs.
+GROUP_TILES = (1, 2, 4, 8)
+COPY_UNITS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
+
+# Mirrors of the kernels' compile-time constants.
+DECODE_THREADS = 128
+PREFILL_THREADS = 128
+PREFILL_ROWS = 16
+PREFILL_BK = 32
+MIN_SPLIT_TOKENS = 512  # a split-K partition shorter than this costs more in merging than it gains
+MAX_SPLITS = 64
+
+# NOTE: no --use_fast_math: __expf and flush-to-zero cost accuracy against the float32 reference, and the
+# kernels are memory-bound anyway.
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+class CudaOpsUnavailable(RuntimeError):
+    """CUDA kernels cannot run here (no CuPy, a CuPy for the wrong CUDA, or no device)."""
+
+
+# ---- CuPy, loaded lazily --------------------------------------------------------------------------------
+
+
+def _wanted_cupy_package() -> str:
+    major = (torch.version.cuda or "12").split(".")[0]
+    return f"cupy-cuda{major}x"
+
+
+def _installed_cupy_packages() -> list[str]:
+    found = []
+    for name in ("cupy-cuda12x", "cupy-cuda13x", "cupy-cuda11x", "cupy"):
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found.append(name)
+    return found
+
+
+@functools.cache
+def _cupy() -> Any:
+    wanted = _wanted_cupy_package()
+    extra = "cuda" + wanted.removeprefix("cupy-cuda").removesuffix("x")
+    hint = f"install {wanted} (pip install '{wanted}' or pip install 'pagedserve[{extra}]')"
+    if not torch.cuda.is_available():
+        raise CudaOpsUnavailable("pagedserve CUDA kernels need a CUDA device; torch sees none")
+    try:
+        import cupy
+    except ImportError as e:
+        raise CudaOpsUnavailable(
+            f"pagedserve CUDA kernels need CuPy built for CUDA {torch.version.cuda}: {hint} ({e})"
+        ) from e
+    try:
+        runtime_major = cupy.cuda.runtime.runtimeGetVersion() // 1000
+    except Exception as e:  # a CuPy wheel whose CUDA libraries are missing fails here
+        raise CudaOpsUnavailable(
+            f"CuPy is installed ({', '.join(_installed_cupy_packages()) or 'unknown package'}) but cannot load "
+            f"its CUDA runtime: {e}. torch uses CUDA {torch.version.cuda}: {hint}"
+        ) from e
+    torch_major = int((torch.version.cuda or "0").split(".")[0])
+    if runtime_major != torch_major:
+        raise CudaOpsUnavailable(
+            f"CuPy is built for CUDA {runtime_major} ({', '.join(_installed_cupy_packages())}) but torch "
+            f"uses CUDA {torch.version.cuda}: uninstall it and {hint}"
+        )
+    return cupy
+
+
+def is_available() -> bool:
+    """True when the CUDA kernels can run (a device, and a CuPy matching torch's CUDA)."""
+    try:
+        _cupy()
+    except CudaOpsUnavailable:
+        return False
+    return True
+
+
+# ---- sources and instantiations -------------------------------------------------------------------------
+
+_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
+
+
+@functools.cache
+def kernel_source(file: str) -> str:
+    """The source of kernels/<file> with its local #include lines inlined (NVRTC gets a single string, and
+    CuPy's disk cache keys on that string, so an edited header must change it)."""
+    text = (KERNEL_DIR / file).read_text()
+    seen: set[str] = set()
+
+    def inline(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name in seen:
+            return ""
+        seen.add(name)
+        header = (KERNEL_DIR / name).read_text().replace("#pragma once\n", "")
+        return _INCLUDE.sub(inline, header)
+
+    return _INCLUDE.sub(inline, text)
+
+
+def group_tile(group: int) -> int:
+    """Query heads per decode CTA for a GQA group of `group` heads (GMAX template argument)."""
+    return min(1 << max(0, group - 1).bit_length(), GROUP_TILES[-1])
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One extern "C" kernel: the file defining its template and the macro line that instantiates it."""
+
+    file: str  # kernels/<file>
+    name: str  # extern "C" symbol
+    line: str  # e.g. PS_DECODE_KERNEL(paged_decode_bf16_d128_b16_g4, bf16, 128, 16, 4)
+
+
+def write_kv_entry(unit: int) -> Entry:
+    name = f"write_kv_u{unit}"
+    return Entry("cache_ops.cu", name, f"PS_WRITE_KV_KERNEL({name}, {COPY_UNITS[unit]})")
+
+
+def copy_blocks_entry(unit: int) -> Entry:
+    name = f"copy_blocks_u{unit}"
+    return Entry("cache_ops.cu", name, f"PS_COPY_BLOCKS_KERNEL({name}, {COPY_UNITS[unit]})")
+
+
+def decode_entry(tag: str, head_size: int, block_size: int, gmax: int) -> Entry:
+    name = f"paged_decode_{tag}_d{head_size}_b{block_size}_g{gmax}"
+    return Entry(
+        "decode_attention.cu", name, f"PS_DECODE_KERNEL({name}, {tag}, {head_size}, {block_size}, {gmax})"
+    )
+
+
+def merge_entry(tag: str) -> Entry:
+    name = f"merge_splits_{tag}"
+    return Entry("decode_attention.cu", name, f"PS_MERGE_KERNEL({name}, {tag})")
+
+
+def prefill_entry(tag: str, head_size: int, block_size: int) -> Entry:
+    name = f"paged_prefill_{tag}_d{head_size}_b{block_size}"
+    return Entry("prefill_attention.cu", name, f"PS_PREFILL_KERNEL({name}, {tag}, {head_size}, {block_size})")
+
+
+def entries(file: str) -> list[Entry]:
+    """Every instantiation the loader may ask for from `file` (CI compiles them all with nvcc)."""
+    tags = list(DTYPE_TAGS.values())
+    if file == "cache_ops.cu":
+        return [f(u) for f in (write_kv_entry, copy_blocks_entry) for u in COPY_UNITS]
+    if file == "decode_attention.cu":
+        decode = [
+            decode_entry(t, d, b, g)
+            for t in tags
+            for d in HEAD_SIZES
+            for b in BLOCK_SIZES
+            for g in GROUP_TILES
+        ]
+        return decode + [merge_entry(t) for t in tags]
+    if file == "prefill_attention.cu":
+        return [prefill_entry(t, d, b) for t in tags for d in HEAD_SIZES for b in BLOCK_SIZES]
+    raise ValueError(f"unknown kernel file {file}")
+
+
+def entries_for(dtype: torch.dtype, head_size: int, block_size: int, group: int) -> list[Entry]:
+    """The kernels one model configuration uses (to precompile them)."""
+    tag = _tag(dtype)
+    return [
+        write_kv_entry(16),
+        copy_blocks_entry(16),
+        decode_entry(tag, head_size, block_size, group_tile(group)),
+        merge_entry(tag),
+        prefill_entry(tag, head_size, block_size),
+    ]
+
+
+def entry_source(entry: Entry) -> str:
+    """The exact source NVRTC compiles for one kernel (one module per kernel, so a process compiles only
+    what it launches, and CuPy's disk cache, keyed on the source, holds each kernel separately)."""
+    return f"{kernel_source(entry.file)}\n{entry.line}\n"
+
+
+@functools.cache
+def _kernel(entry: Entry, device_index: int) -> Any:
+    """Compiled kernel for a device (NVRTC once per machine: CuPy caches the binary on disk)."""
+    cupy = _cupy()
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=entry_source(entry), options=NVRTC_OPTIONS)
+        return module.get_function(entry.name)
+
+
+def _compile_in_subprocess(batch: list[Entry]) -> int:
+    for entry in batch:
+        _kernel(entry, 0)
+    return len(batch)
+
+
+def precompile(items: list[Entry], workers: int | None = None) -> None:
+    """Compiles many kernels in parallel processes (one NVRTC compile is single-threaded) to fill CuPy's disk
+    cache; the calling process then loads them without compiling."""
+    items = sorted(set(items), key=lambda e: e.name)
+    if not items:
+        return
+    workers = max(1, min(workers or os.cpu_count() or 1, len(items)))
+    batches = [items[i::workers] for i in range(workers)]
+    import multiprocessing
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile_in_subprocess, batches))
+
+
+def init(device: torch.device) -> None:
+    """Called by kernels.get_ops before choosing this module: fails (CudaOpsUnavailable, or NVRTC's error)
+    unless CuPy loads and can compile and load a kernel on `device`."""
+    _kernel(write_kv_entry(16), _device_index(device))
+
+
+# ---- launch helpers -------------------------------------------------------------------------------------
+
+
+def _tag(dtype: torch.dtype) -> str:
+    if dtype not in DTYPE_TAGS:
+        raise NotImplementedError(f"CUDA kernels support {list(DTYPE_TAGS)}, not {dtype}")
+    return DTYPE_TAGS[dtype]
+
+
+def _check_shape(head_size: int, block_size: int) -> None:
+    if head_size not in HEAD_SIZES:
+        raise NotImplementedError(f"CUDA kernels support head sizes {HEAD_SIZES}, not {head_size}")
+    if block_size not in BLOCK_SIZES:
+        raise NotImplementedError(f"CUDA kernels support block sizes {BLOCK_SIZES}, not {block_size}")
+
+
+def _ptr(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous and 16-byte aligned (the kernels load 16-byte vectors)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _int64(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device=device, dtype=torch.int64).contiguous()
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _launch(device: torch.device, entry: Entry, grid, block, args, shared_mem: int = 0) -> None:
+    cupy = _cupy()
+    index = _device_index(device)
+    kernel = _kernel(entry, index)
+    stream = torch.cuda.current_stream(index).cuda_stream
+    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream):
+        kernel(grid, block, args, shared_mem=shared_mem)
+
+
+def _copy_unit(*byte_quantities: int) -> int:
+    for unit in COPY_UNITS:
+        if all(q % unit == 0 for q in byte_quantities):
+            return unit
+    return 1
+
+
+# ---- the four ops ---------------------------------------------------------------------------------------
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_tokens, num_kv_heads, head_size = key.shape
+    assert value.shape == key.shape
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_size)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    if num_tokens == 0:
+        return
+    device = k_cache.device
+    # The kernel copies whole token rows, so a row must be contiguous; a token stride may be anything (a
+    # slice of a fused qkv projection is passed without a copy).
+    key = key.to(k_cache.dtype)
+    value = value.to(v_cache.dtype)
+    if key.stride(2) != 1 or key.stride(1) != head_size:
+        key = key.contiguous()
+    if value.stride(2) != 1 or value.stride(1) != head_size:
+        value = value.contiguous()
+    slots = _int64(slot_mapping, device)
+    elsize = k_cache.element_size()
+    row_bytes = num_kv_heads * head_size * elsize
+    unit = _copy_unit(
+        row_bytes,
+        key.stride(0) * elsize,
+        value.stride(0) * elsize,
+        key.data_ptr(),
+        value.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+    )
+    args = (
+        _ptr(key),
+        _ptr(value),
+        _ptr(k_cache),
+        _ptr(v_cache),
+        _ptr(slots),
+        np.int64(row_bytes // unit),
+        np.int64(key.stride(0) * elsize // unit),
+        np.int64(value.stride(0) * elsize // unit),
+    )
+    _launch(device, write_kv_entry(unit), (num_tokens,), (128,), args)
+
+
+def _independent_waves(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Splits copy pairs into consecutive groups in which no pair reads or writes another's destination, so
+    each group may run in parallel and the whole behaves like copying in list order."""
+    waves: list[list[tuple[int, int]]] = []
+    reads: set[int] = set()
+    writes: set[int] = set()
+    for src, dst in pairs:
+        if not waves or dst in reads or dst in writes or src in writes:
+            waves.append([])
+            reads, writes = set(), set()
+        waves[-1].append((src, dst))
+        reads.add(src)
+        writes.add(dst)
+    return waves
+
+
+def copy_blocks(
+    k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    assert src.shape == dst.shape
+    if src.numel() == 0 or not k_caches:
+        return
+    caches = [*k_caches, *v_caches]
+    first = caches[0]
+    device = first.device
+    assert all(c.shape == first.shape and c.dtype == first.dtype and c.is_contiguous() for c in caches)
+    block_bytes = first[0].numel() * first.element_size()
+    unit = _copy_unit(block_bytes, *(c.data_ptr() for c in caches))
+    ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64).to(device)
+    # The pair list is small (copy-on-write of a few blocks); reading it on the host costs one sync at most.
+    pairs = list(zip(src.tolist(), dst.tolist(), strict=True))
+    for wave in _independent_waves(pairs):
+        wave_src = torch.tensor([s for s, _ in wave], dtype=torch.int64).to(device)
+        wave_dst = torch.tensor([d for _, d in wave], dtype=torch.int64).to(device)
+        args = (_ptr(ptrs), _ptr(wave_src), _ptr(wave_dst), np.int64(block_bytes // unit))
+        _launch(device, copy_blocks_entry(unit), (len(wave), len(caches)), (256,), args)
+
+
+def choose_num_splits(num_ctas: int, max_blocks: int, block_size: int, num_sms: int) -> int:
+    """Split-K heuristic for decode: split the context over several CTAs only when the (sequence, kv head)
+    CTAs alone cannot keep every SM busy for several waves and the context is long enough that each split
+    still streams >= MIN_SPLIT_TOKENS tokens (the merge then costs well under 1 % of the traffic)."""
+    max_tokens = max_blocks * block_size
+    target = 4 * num_sms  # ~2 resident CTAs per SM at this register budget, times a couple of waves
+    if num_ctas >= target or max_tokens < 2 * MIN_SPLIT_TOKENS:
+        return 1
+    return max(1, min(math.ceil(target / num_ctas), max_tokens // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return paged_decode_attention_splits(query, k_cache, v_cache, block_tables, context_lens, scale, None)
+
+
+def paged_decode_attention_splits(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None,
+) -> torch.Tensor:
+    """paged_decode_attention with an explicit split-K count (None: the heuristic). Tests and the benchmark
+    force both paths through this."""
+    batch, num_q_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_size
+    assert num_q_heads % num_kv_heads == 0
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    tag = _tag(k_cache.dtype)
+    _check_shape(head_size, block_size)
+    device = k_cache.device
+    if batch == 0:
+        return torch.empty_like(query)
+    out_dtype = query.dtype
+    query = _aligned(query.to(k_cache.dtype))
+    tables = _int32(block_tables, device)
+    lens = _int32(context_lens, device)
+    max_blocks = tables.shape[1]
+
+    group = num_q_heads // num_kv_heads
+    gmax = group_tile(group)
+    n_sub = math.ceil(group / gmax)
+    num_ctas = batch * num_kv_heads * n_sub
+    if num_splits is None:
+        num_splits = choose_num_splits(num_ctas, max_blocks, block_size, _num_sms(_device_index(device)))
+    num_splits = max(1, min(num_splits, max_blocks))
+    blocks_per_split = math.ceil(max_blocks / num_splits)
+    num_splits = math.ceil(max_blocks / blocks_per_split)
+
+    out = torch.empty_like(query)
+    if num_splits > 1:
+        part_out = torch.empty(batch, num_q_heads, num_splits, head_size, device=device, dtype=torch.float32)
+        part_lse = torch.empty(batch, num_q_heads, num_splits, device=device, dtype=torch.float32)
+    else:
+        part_out = part_lse = out  # unused by the kernel
+    args = (
+        _ptr(out),
+        _ptr(part_out),
+        _ptr(part_lse),
+        _ptr(query),
+        _ptr(k_cache),
+        _ptr(v_cache),
+        _ptr(tables),
+        _ptr(lens),
+        np.float32(scale),
+        np.int32(num_q_heads),
+        np.int32(num_kv_heads),
+        np.int32(max_blocks),
+        np.int32(blocks_per_split),
+    )
+    grid = (num_kv_heads * n_sub, batch, num_splits)
+    _launch(device, decode_entry(tag, head_size, block_size, gmax), grid, (DECODE_THREADS,), args)
+    if num_splits > 1:
+        merge_args = (_ptr(out), _ptr(part_out), _ptr(part_lse), np.int32(num_splits), np.int32(head_size))
+        _launch(device, merge_entry(tag), (batch * num_q_heads,), (128,), merge_args)
+    return out.to(out_dtype)
+
+
+# The per-sequence tile offsets of a prefill batch depend only on query_start_loc and the GQA group. The
+# worker passes the same metadata tensor to every layer, so they are computed once per step (on the device,
+# no host sync) and remembered for the tensor object that produced them.
+_tile_cache: dict[tuple[int, int], tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def _tile_offsets(query_start_loc: torch.Tensor, starts: torch.Tensor, group: int) -> torch.Tensor:
+    """First tile of each sequence (prefix sum of ceil(q_len * G / ROWS)), int32 [S + 1] on the device.
+    Cached for the caller's query_start_loc object at its current version (an in-place update misses)."""
+    key = (id(query_start_loc), group)
+    hit = _tile_cache.get(key)
+    if hit is not None and hit[0]() is query_start_loc and hit[1] == query_start_loc._version:
+        return hit[2]
+    q_lens = (starts[1:] - starts[:-1]).to(torch.int64)
+    tiles = (q_lens * group + PREFILL_ROWS - 1) // PREFILL_ROWS
+    offsets = torch.zeros(q_lens.numel() + 1, dtype=torch.int32, device=starts.device)
+    offsets[1:] = torch.cumsum(tiles, 0).to(torch.int32)
+    _tile_cache.clear()  # one live batch at a time
+    _tile_cache[key] = (weakref.ref(query_start_loc), query_start_loc._version, offsets)
+    return offsets
+
+
+def prefill_smem_bytes(head_size: int) -> int:
+    return (PREFILL_ROWS * head_size + 2 * PREFILL_BK * (head_size + 1)) * 4
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    num_tokens, num_q_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_size
+    assert num_q_heads % num_kv_heads == 0
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    tag = _tag(k_cache.dtype)
+    _check_shape(head_size, block_size)
+    device = k_cache.device
+    out_dtype = query.dtype
+    query = _aligned(query.to(k_cache.dtype))
+    out = torch.empty_like(query)
+    num_seqs = context_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    tables = _int32(block_tables, device)
+    starts = _int32(query_start_loc, device)
+    lens = _int32(context_lens, device)
+    group = num_q_heads // num_kv_heads
+    offsets = _tile_offsets(query_start_loc, starts, group)
+
+    entry = prefill_entry(tag, head_size, block_size)
+    smem = prefill_smem_bytes(head_size)
+    kernel = _kernel(entry, _device_index(device))
+    if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem  # opt in above the 48 KiB default
+    # Upper bound on the tiles (sum of ceil(q_len * G / ROWS)); CTAs past the last real tile exit at once.
+    grid = (math.ceil(num_tokens * group / PREFILL_ROWS) + num_seqs, num_kv_heads)
+    args = (
+        _ptr(out),
+        _ptr(query),
+        _ptr(k_cache),
+        _ptr(v_cache),
+        _ptr(tables),
+        _ptr(starts),
+        _ptr(lens),
+        _ptr(offsets),
+        np.int32(num_seqs),
+        np.float32(scale),
+        np.int32(num_q_heads),
+        np.int32(num_kv_heads),
+        np.int32(tables.shape[1]),
+    )
+    _launch(device, entry, grid, (PREFILL_THREADS,), args, shared_mem=smem)
+    return out.to(out_dtype)
