@@ -1,0 +1,233 @@
+"""Decode step time of the worker against this machine's hardware limits.
+
+For each batch size and context length the worker's ModelRunner executes real step plans: B requests
+enter with a context of C tokens already in the KV cache (their K/V are whatever the pool holds:
+attention does the same work whatever the values are), then decode steps run and are timed. Next to
+each measurement two ceilings:
+
+- compute: the measured matrix-multiply rate (FLOP/s, same dtype) over the model's FLOPs per token;
+- memory: streaming the weights once per step at the measured copy bandwidth, shared by the batch.
+
+    .venv/bin/python bench/bench_worker.py [--model default] [--dtype auto] [--batch 1,4,16,64,256]
+        [--context 128,512,2048] [--steps 8] [--threads N]
+
+Prints a table and writes bench/results/bench_worker.{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from pagedserve.proto import common_pb2, worker_pb2
+from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec
+from pagedserve.worker_svc.loader import load_model, parse_dtype
+from pagedserve.worker_svc.runner import ModelRunner
+from tqdm import tqdm
+
+from pagedserve.model_files import resolve_model
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# Largest B x C the pool is sized for (the default model needs 46 KB of float32 KV per token).
+MAX_POOL_TOKENS = 64 * 1024
+
+
+def measure_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def measure_copy_bandwidth(num_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> float:
+    """Bytes per second moved by a large memory copy (read + write counted once each)."""
+    src = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * num_bytes / best
+
+
+def flops_per_token(model, context: int) -> float:
+    """Multiply-adds of one decode token: every weight matrix once, plus attention over the context."""
+    cfg = model.config
+    matmul_params = sum(
+        p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name
+    )
+    if cfg.tie_word_embeddings:
+        matmul_params += cfg.vocab_size * cfg.hidden_size
+    attention = 2 * cfg.num_layers * context * cfg.num_heads * cfg.head_dim
+    return 2 * (matmul_params + attention)
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def decode_plans(batch: int, context: int, block_size: int, vocab: int, steps: int):
+    """Step 1 adds B requests whose first C-1 tokens are cached and computes token C-1 (a 1-token
+    step, like a decode); the following steps are plain decodes, each growing the context by one."""
+    blocks_per_seq = -(-(context + steps) // block_size)
+    g = torch.Generator().manual_seed(0)
+    plan = worker_pb2.StepPlan(step_id=1)
+    for slot in range(batch):
+        ids = torch.randint(0, vocab, (context,), generator=g).tolist()
+        plan.new_requests.add(
+            slot=slot,
+            request_id=f"bench-{slot}",
+            token_ids=ids,
+            prompt_len=context,
+            num_computed_tokens=context - 1,
+            sampling=common_pb2.SamplingParams(temperature=0.0),
+        )
+        plan.slots.append(slot)
+        plan.num_scheduled_tokens.append(1)
+        plan.num_new_blocks.append(blocks_per_seq)
+        plan.new_block_ids.extend(range(slot * blocks_per_seq, (slot + 1) * blocks_per_seq))
+    yield plan
+    for step in range(2, steps + 2):
+        yield worker_pb2.StepPlan(
+            step_id=step,
+            slots=range(batch),
+            num_scheduled_tokens=[1] * batch,
+            num_new_blocks=[0] * batch,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch", default="1,4,16,64,256")
+    parser.add_argument("--context", default="128,512,2048")
+    parser.add_argument("--steps", type=int, default=8, help="timed decode steps per cell")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batch.split(",")]
+    contexts = [int(c) for c in args.context.split(",")]
+
+    device = torch.device("cpu")
+    dtype = parse_dtype(args.dtype, device)
+    model = load_model(resolve_model(args.model), dtype, device)
+    cfg = model.config
+    print(f"measuring this machine ({torch.get_num_threads()} threads, {dtype}) ...", flush=True)
+    flops = measure_matmul_flops(dtype)
+    bandwidth = measure_copy_bandwidth()
+    wbytes = weight_bytes(model)
+    print(
+        f"matmul {flops / 1e9:.0f} GFLOP/s, copy {bandwidth / 1e9:.1f} GB/s, "
+        f"weights {wbytes / 1e6:.0f} MB ({cfg.num_layers} layers)"
+    )
+
+    cells = [(b, c) for c in contexts for b in batches if b * (c + args.steps + 1) <= MAX_POOL_TOKENS]
+    skipped = [(b, c) for c in contexts for b in batches if (b, c) not in cells]
+    rows = []
+    for batch, context in tqdm(cells, desc="decode cells", unit="cell"):
+        blocks_per_seq = -(-(context + args.steps + 1) // args.block_size)
+        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, dtype)
+        runner = ModelRunner(model, KVCache(spec, batch * blocks_per_seq, device), context + args.steps + 2)
+        times = []
+        for plan in decode_plans(batch, context, args.block_size, cfg.vocab_size, args.steps + 1):
+            t = time.perf_counter()
+            runner.execute(plan)
+            times.append(time.perf_counter() - t)
+        step = statistics.median(times[2:])  # the first steps warm up allocators and caches
+        tokens_per_s = batch / step
+        compute_ceiling = flops / flops_per_token(model, context)
+        memory_ceiling = batch * bandwidth / wbytes
+        ceiling = min(compute_ceiling, memory_ceiling)
+        rows.append(
+            {
+                "batch": batch,
+                "context": context,
+                "step_ms": step * 1e3,
+                "tokens_per_s": tokens_per_s,
+                "ceiling_tokens_per_s": ceiling,
+                "compute_ceiling": compute_ceiling,
+                "memory_ceiling": memory_ceiling,
+                "fraction_of_ceiling": tokens_per_s / ceiling,
+            }
+        )
+        del runner
+
+    print()
+    print(
+        f"{'batch':>6} {'context':>8} {'step ms':>9} {'tok/s':>9} {'ceiling':>9} {'bound':>7} {'of ceiling':>11}"
+    )
+    for r in rows:
+        bound = "compute" if r["compute_ceiling"] < r["memory_ceiling"] else "memory"
+        print(
+            f"{r['batch']:>6} {r['context']:>8} {r['step_ms']:>9.1f} {r['tokens_per_s']:>9.1f} "
+            f"{r['ceiling_tokens_per_s']:>9.1f} {bound:>7} {r['fraction_of_ceiling']:>10.0%}"
+        )
+    if skipped:
+        print(f"skipped (KV pool over {MAX_POOL_TOKENS} tokens): {skipped}")
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    summary = {
+        "dtype": str(dtype),
+        "threads": torch.get_num_threads(),
+        "matmul_flops": flops,
+        "copy_bandwidth": bandwidth,
+        "weight_bytes": wbytes,
+        "rows": rows,
+    }
+    (RESULTS / "bench_worker.json").write_text(json.dumps(summary, indent=2))
+    plot(rows, contexts, RESULTS / "bench_worker.png")
+    print(f"wrote {RESULTS / 'bench_worker.json'} and bench_worker.png")
+    return 0
+
+
+def plot(rows: list[dict], contexts: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for context in contexts:
+        cell = [r for r in rows if r["context"] == context]
+        if not cell:
+            continue
+        (line,) = ax.plot(
+            [r["batch"] for r in cell], [r["tokens_per_s"] for r in cell], "o-", label=f"ctx {context}"
+        )
+        ax.plot(
+            [r["batch"] for r in cell],
+            [r["ceiling_tokens_per_s"] for r in cell],
+            "--",
+            color=line.get_color(),
+            alpha=0.6,
+            label=f"ceiling ctx {context}",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size (sequences decoding)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("Worker decode throughput vs hardware ceiling")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,300 @@
+"""The worker's gRPC server on loopback, driven through real channels and the generated stubs."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from pagedserve.proto import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pagedserve.worker_svc.config import WorkerConfig, parse_bytes
+from pagedserve.worker_svc.kv_cache import KVCacheSpec, resolve_num_blocks
+from pagedserve.worker_svc.server import SERVICE_NAME, WorkerServer, load_worker
+from worker_testing import EOS, TINY_VOCAB, make_runner, new_request, plan, save_tiny_llama
+
+from pagedserve.grpc_utils import CHANNEL_OPTIONS, add_health_and_reflection, set_serving
+
+NUM_BLOCKS, BLOCK_SIZE = 32, 4
+PROMPT_A, PROMPT_B = [5, 17, 42, 9, 77, 3], [11, 23, 64, 100, 8]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def worker_config(model_dir, **overrides) -> WorkerConfig:
+    fields = dict(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        num_blocks=NUM_BLOCKS,
+        host="127.0.0.1",
+        port=0,
+        worker_id="worker-test",
+        log_level="warning",
+    )
+    return WorkerConfig(**(fields | overrides))
+
+
+async def start_worker(model_dir, **overrides) -> WorkerServer:
+    config = worker_config(model_dir, **overrides)
+    server = WorkerServer(config, load_worker(config), max_register_backoff=0.5)
+    await server.start()
+    return server
+
+
+def first_plan() -> worker_pb2.StepPlan:
+    return plan(
+        1,
+        [(0, len(PROMPT_A), [0, 1]), (1, len(PROMPT_B), [2, 3])],
+        new_requests=[new_request(0, PROMPT_A), new_request(1, PROMPT_B)],
+    )
+
+
+def decode_plan(step_id: int) -> worker_pb2.StepPlan:
+    return plan(step_id, [(0, 1, []), (1, 1, [])])
+
+
+async def steps(
+    stub: worker_pb2_grpc.WorkerStub, plans: list[worker_pb2.StepPlan]
+) -> list[worker_pb2.StepResult]:
+    """Sends every plan at once (the worker pipelines them) and collects the results."""
+    return [result async for result in stub.Steps(iter(plans))]
+
+
+def expected_tokens(model_dir, plans) -> list[list[int]]:
+    runner = make_runner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    return [list(runner.execute(p).sampled_token_ids) for p in plans]
+
+
+def test_steps_stream_returns_one_result_per_plan_in_order(model_dir):
+    plans = [first_plan(), decode_plan(2), decode_plan(3), plan(4, [(0, 1, [4]), (1, 1, [])])]
+
+    async def scenario():
+        server = await start_worker(model_dir)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as ch:
+                stub = worker_pb2_grpc.WorkerStub(ch)
+                info = await stub.GetModelInfo(worker_pb2.ModelInfoRequest())
+                return info, await steps(stub, plans)
+        finally:
+            await server.stop(grace=None)
+
+    info, results = asyncio.run(scenario())
+    assert [r.step_id for r in results] == [1, 2, 3, 4]
+    assert [list(r.sampled_slots) for r in results] == [[0, 1]] * 4
+    assert [list(r.sampled_token_ids) for r in results] == expected_tokens(model_dir, plans)
+    assert results[0].timings.num_tokens == len(PROMPT_A) + len(PROMPT_B)
+    assert all(r.timings.forward_seconds > 0 for r in results)
+    assert (info.num_blocks, info.block_size, info.dtype, info.device) == (
+        NUM_BLOCKS,
+        BLOCK_SIZE,
+        "float32",
+        "cpu",
+    )
+    assert (info.vocab_size, info.num_layers, info.num_kv_heads, info.head_dim) == (TINY_VOCAB, 2, 2, 16)
+    assert info.block_bytes == 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
+    assert list(info.eos_token_ids) == [EOS] and info.max_model_len == 256
+
+
+def test_broken_plan_ends_the_stream_with_invalid_argument_and_a_new_stream_continues(model_dir):
+    async def scenario():
+        server = await start_worker(model_dir)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as ch:
+                stub = worker_pb2_grpc.WorkerStub(ch)
+                received = []
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    async for result in stub.Steps(iter([first_plan(), decode_plan(3), decode_plan(4)])):
+                        received.append(result)
+                after = await steps(stub, [decode_plan(2), decode_plan(3)])
+                return received, error.value, after
+        finally:
+            await server.stop(grace=None)
+
+    received, error, after = asyncio.run(scenario())
+    assert [r.step_id for r in received] == [1]  # the plan before the broken one was executed
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == "step 3: expected step id 2 (a gap or a repeat)"
+    expected = expected_tokens(model_dir, [first_plan(), decode_plan(2), decode_plan(3)])
+    assert [list(r.sampled_token_ids) for r in [*received, *after]] == expected
+
+
+def test_reset_forgets_requests_and_restarts_at_step_one(model_dir):
+    async def scenario():
+        server = await start_worker(model_dir)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as ch:
+                stub = worker_pb2_grpc.WorkerStub(ch)
+                await steps(stub, [first_plan(), decode_plan(2)])
+                info = await stub.Reset(worker_pb2.ResetRequest())
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await steps(stub, [decode_plan(3)])
+                again = await steps(stub, [first_plan()])
+                return info, error.value, again, server.servicer.runner.slots
+        finally:
+            await server.stop(grace=None)
+
+    info, error, again, slots = asyncio.run(scenario())
+    assert info.num_blocks == NUM_BLOCKS
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "expected step id 1" in error.details()
+    assert [r.step_id for r in again] == [1] and sorted(slots) == [0, 1]
+
+
+def test_health_reports_serving_and_reflection_lists_the_worker_service(model_dir):
+    async def scenario():
+        server = await start_worker(model_dir)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+                health_stub = health_pb2_grpc.HealthStub(ch)
+                overall = await health_stub.Check(health_pb2.HealthCheckRequest(service=""))
+                worker = await health_stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+                reflection = reflection_pb2_grpc.ServerReflectionStub(ch)
+                request = reflection_pb2.ServerReflectionRequest(list_services="")
+                responses = [r async for r in reflection.ServerReflectionInfo(iter([request]))]
+                return overall.status, worker.status, responses
+        finally:
+            await server.stop(grace=None)
+
+    overall, worker, responses = asyncio.run(scenario())
+    assert overall == worker == health_pb2.HealthCheckResponse.SERVING
+    names = {s.name for s in responses[0].list_services_response.service}
+    assert {"pagedserve.v1.Worker", "grpc.health.v1.Health"} <= names
+
+
+class RecordingEngineServicer(engine_pb2_grpc.EngineServicer):
+    """Stand-in for the scheduler that implements only RegisterWorker and records its requests:
+    it tests the worker's client side of registration."""
+
+    def __init__(self) -> None:
+        self.requests: list[engine_pb2.RegisterWorkerRequest] = []
+        self.arrived = asyncio.Event()
+
+    async def RegisterWorker(self, request, context):
+        self.requests.append(request)
+        self.arrived.set()
+        return engine_pb2.RegisterWorkerResponse(accepted=True)
+
+
+async def start_recording_engine(port: int) -> tuple[grpc.aio.Server, RecordingEngineServicer]:
+    server = grpc.aio.server()
+    servicer = RecordingEngineServicer()
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+    health_servicer = add_health_and_reflection(server, ["pagedserve.v1.Engine"])
+    assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+    await server.start()
+    await set_serving(health_servicer, ["pagedserve.v1.Engine"], True)
+    return server, servicer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_worker_registers_when_the_scheduler_appears_and_again_after_it_restarts(model_dir):
+    port = free_port()
+
+    async def scenario():
+        # The worker starts first: it keeps retrying until the scheduler is up.
+        worker = await start_worker(
+            model_dir, scheduler=f"127.0.0.1:{port}", advertise_address="worker-a:7001"
+        )
+        try:
+            await asyncio.sleep(0.3)
+            engine, first = await start_recording_engine(port)
+            await asyncio.wait_for(first.arrived.wait(), timeout=15)
+            # The scheduler restarts (a new process on the same address, with no memory of us).
+            await engine.stop(grace=None)
+            engine, second = await start_recording_engine(port)
+            await asyncio.wait_for(second.arrived.wait(), timeout=15)
+            await engine.stop(grace=None)
+            return first.requests, second.requests, worker.registrar.registrations
+        finally:
+            await worker.stop(grace=None)
+
+    first, second, registrations = asyncio.run(scenario())
+    assert len(first) == 1 and len(second) == 1 and registrations == 2
+    request = first[0]
+    assert (request.worker_id, request.address, request.model) == (
+        "worker-test",
+        "worker-a:7001",
+        model_dir.name,
+    )
+    assert (request.num_blocks, request.block_size, request.dtype, request.device) == (
+        NUM_BLOCKS,
+        BLOCK_SIZE,
+        "float32",
+        "cpu",
+    )
+    assert request.max_model_len == 256
+    assert second[0] == request
+
+
+# ---- configuration ------------------------------------------------------------------------------
+
+
+def test_config_flags_win_over_environment_which_wins_over_defaults():
+    env = {"PAGEDSERVE_BLOCK_SIZE": "32", "PAGEDSERVE_KV_CACHE_MEMORY": "2GiB", "PAGEDSERVE_PORT": "7001"}
+    config = WorkerConfig.from_args(["--port", "7002", "--scheduler", "sched:50050"], env=env)
+    assert config.block_size == 32 and config.kv_cache_memory == 2 * 1024**3
+    assert config.port == 7002 and config.scheduler == "sched:50050"
+    assert config.num_blocks is None and config.device == "auto" and config.host == "0.0.0.0"
+    assert config.advertised(7002).endswith(":7002")
+    assert WorkerConfig.from_args(["--advertise-address", "w:1"], env={}).advertised(5) == "w:1"
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("2GiB", 2 * 1024**3),
+        ("512MiB", 512 * 1024**2),
+        ("1000", 1000),
+        ("1.5GB", 1_500_000_000),
+        ("64 kib", 65536),
+    ],
+)
+def test_kv_cache_memory_accepts_units(text, size):
+    assert parse_bytes(text) == size
+
+
+def test_kv_cache_memory_refuses_nonsense():
+    with pytest.raises(ValueError, match="not a size in bytes"):
+        parse_bytes("lots")
+
+
+def test_block_count_follows_from_the_memory_budget_unless_given():
+    import torch
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32)
+    assert spec.block_bytes == 2 * 2 * 4 * 2 * 16 * 4  # K and V, layers, tokens, heads, dims, bytes
+    cpu = torch.device("cpu")
+    assert resolve_num_blocks(spec, cpu, None, 10 * spec.block_bytes + 5) == 10
+    assert resolve_num_blocks(spec, cpu, 7, 10 * spec.block_bytes) == 7
+    with pytest.raises(ValueError, match="holds no block"):
+        resolve_num_blocks(spec, cpu, None, 100)
+
+
+def test_worker_command_shows_its_flags(capsys):
+    from pagedserve.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["worker", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--kv-cache-memory" in out and "PAGEDSERVE_SCHEDULER" in out
+
+
+def test_wildcard_bind_advertises_the_address_the_scheduler_can_dial_back():
+    from pagedserve.worker_svc.config import WorkerConfig
+
+    config = WorkerConfig.from_args(["--host", "0.0.0.0", "--scheduler", "127.0.0.1:50052"], env={})
+    assert config.advertised(41000) == "127.0.0.1:41000"
+    explicit = WorkerConfig.from_args(["--advertise-address", "worker-7:9000"], env={})
+    assert explicit.advertised(41000) == "worker-7:9000"

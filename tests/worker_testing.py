@@ -1,0 +1,120 @@
+"""Helpers shared by the worker tests: a tiny random Llama on disk, a runner over it, plan builders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from pagedserve.proto import common_pb2, worker_pb2
+from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec
+from pagedserve.worker_svc.loader import load_model
+from pagedserve.worker_svc.runner import ModelRunner
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+TINY_VOCAB = 128
+EOS = 1
+
+
+def save_tiny_llama(path: Path, seed: int = 0) -> Path:
+    """A 2-layer GQA Llama with random weights (large enough that greedy text is not one token
+    repeated), saved as safetensors with a generation config."""
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        bos_token_id=0,
+        eos_token_id=EOS,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_runner(
+    model_dir: Path, num_blocks: int = 32, block_size: int = 4, max_model_len: int = 256, seed: int = 0
+) -> ModelRunner:
+    from pagedserve.worker_svc.sampler import Sampler
+
+    model = load_model(model_dir, torch.float32, "cpu")
+    cfg = model.config
+    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, torch.float32)
+    kv_cache = KVCache(spec, num_blocks, torch.device("cpu"))
+    return ModelRunner(model, kv_cache, max_model_len, sampler=Sampler(cfg.vocab_size, "cpu", seed=seed))
+
+
+def new_request(
+    slot: int,
+    token_ids: list[int],
+    prompt_len: int | None = None,
+    num_computed_tokens: int = 0,
+    request_id: str | None = None,
+    **sampling,
+) -> worker_pb2.NewRequest:
+    sampling.setdefault("temperature", 0.0)
+    return worker_pb2.NewRequest(
+        slot=slot,
+        request_id=request_id or f"req-{slot}",
+        token_ids=token_ids,
+        prompt_len=len(token_ids) if prompt_len is None else prompt_len,
+        num_computed_tokens=num_computed_tokens,
+        sampling=common_pb2.SamplingParams(**sampling),
+    )
+
+
+def plan(
+    step_id: int,
+    scheduled: list[tuple[int, int, list[int]]] = (),
+    **fields,
+) -> worker_pb2.StepPlan:
+    """scheduled: (slot, num_scheduled_tokens, new block ids) per batch entry, in order."""
+    p = worker_pb2.StepPlan(step_id=step_id, **fields)
+    for slot, n, blocks in scheduled:
+        p.slots.append(slot)
+        p.num_scheduled_tokens.append(n)
+        p.num_new_blocks.append(len(blocks))
+        p.new_block_ids.extend(blocks)
+    return p
+
+
+def snapshot(runner: ModelRunner) -> dict:
+    """Everything the runner knows about its requests, comparable with ==."""
+    return {
+        "last_step_id": runner.last_step_id,
+        "slots": {
+            slot: (
+                state.request_id,
+                state.prompt_len,
+                state.num_computed_tokens,
+                runner.tokens(slot),
+                runner.block_table(slot),
+                list(state.sampling.output_token_ids),
+            )
+            for slot, state in sorted(runner.slots.items())
+        },
+    }
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by transformers' own forward pass (full recompute each token, no EOS stop)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            next_id = hf_model(ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def load_hf(model_dir: Path):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -1,0 +1,181 @@
+"""The worker's configuration: one dataclass, built from CLI flags and PAGEDSERVE_* variables in one place.
+
+Every flag `--some-flag` has an environment variable `PAGEDSERVE_SOME_FLAG`; the flag wins over the
+variable, the variable over the default (so a container sets variables, a developer types flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+ENV_PREFIX = "PAGEDSERVE_"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1024,
+    "kib": 1024,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "ti": 1024**4,
+    "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """ "2GiB" -> 2147483648, "512MiB", "1.5GB", "1000" (bytes)."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size in bytes: {text!r} (examples: 2GiB, 512MiB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    # Model to serve: a folder, a .gguf file, or None for the default model (see pagedserve.model_files).
+    model: str | None = None
+    # Weights' and KV cache's dtype; "auto": bfloat16 on CUDA, float32 on CPU.
+    dtype: str = "auto"
+    # torch device ("cpu", "cuda", "cuda:1"); "auto": cuda when available, else cpu.
+    device: str = "auto"
+    # Tokens per KV block.
+    block_size: int = 16
+    # KV pool budget in bytes (None: `num_blocks`, or a device-dependent default; see kv_cache.py).
+    kv_cache_memory: int | None = None
+    # Exact number of KV blocks; wins over kv_cache_memory.
+    num_blocks: int | None = None
+    # Longest sequence in tokens; None: the model's own context length.
+    max_model_len: int | None = None
+    # Where the gRPC server listens; port 0 picks a free port.
+    host: str = "0.0.0.0"
+    port: int = 0
+    # host:port the scheduler uses to reach this worker; None: derived from host and the bound port.
+    advertise_address: str | None = None
+    # Scheduler (Engine service) address to register with; None: don't register.
+    scheduler: str | None = None
+    # Stable id of this worker; None: "<hostname>-<pid>".
+    worker_id: str | None = None
+    # Logging level, and JSON (True) or console output.
+    log_level: str = "info"
+    log_json: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, not {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, not {self.num_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, not {self.kv_cache_memory}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, not {self.max_model_len}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, not {self.port}")
+        if self.worker_id is None:
+            self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
+
+    @classmethod
+    def from_args(
+        cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+    ) -> WorkerConfig:
+        args = build_parser(os.environ if env is None else env).parse_args(argv)
+        return cls(**vars(args))
+
+    def advertised(self, bound_port: int) -> str:
+        """host:port the scheduler should dial."""
+        if self.advertise_address:
+            return self.advertise_address
+        host = self.host
+        if host in ("0.0.0.0", "::", "[::]", ""):
+            host = _address_towards(self.scheduler) or socket.gethostname()
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{host}:{bound_port}"
+
+
+def _address_towards(peer: str | None) -> str | None:
+    """This machine's address on the interface that routes to peer (host:port), or None.
+
+    NOTE: a wildcard bind has no single address; the one the scheduler can dial back is the one its
+    packets would come from. Connecting a UDP socket sends nothing but makes the kernel pick the
+    route, which works the same in containers (the container's IP, not its short-id hostname) and on
+    Kubernetes.
+    """
+    if not peer:
+        return None
+    host, _, port = peer.rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, int(port or 0), type=socket.SOCK_DGRAM)
+        family, _, _, _, sockaddr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            return probe.getsockname()[0]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _env_bool(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The `pagedserve worker` flags, each defaulting to its PAGEDSERVE_* variable."""
+    parser = argparse.ArgumentParser(
+        prog="pagedserve worker",
+        description="Serve a model's forward pass and sampling over the step protocol (gRPC Worker service).",
+    )
+
+    def add(flag: str, convert, help_text: str, default=None, **kwargs) -> None:
+        name = flag.lstrip("-").replace("-", "_")
+        var = ENV_PREFIX + name.upper()
+        if var in env:
+            try:
+                default = convert(env[var])
+            except ValueError as exc:
+                parser.error(f"{var}: {exc}")
+        parser.add_argument(
+            flag, dest=name, type=convert, default=default, help=f"{help_text} (env {var})", **kwargs
+        )
+
+    add("--model", str, "model folder, .gguf file, or 'default'")
+    add("--dtype", str, "weights and KV cache dtype", default="auto", choices=DTYPES)
+    add("--device", str, "torch device: auto, cpu, cuda, cuda:N", default="auto")
+    add("--block-size", int, "tokens per KV block", default=16)
+    add("--kv-cache-memory", parse_bytes, "KV pool budget, e.g. 2GiB, 512MiB, or bytes")
+    add("--num-blocks", int, "exact number of KV blocks (overrides --kv-cache-memory)")
+    add("--max-model-len", int, "longest sequence in tokens (default: the model's)")
+    add("--host", str, "address to listen on", default="0.0.0.0")
+    add("--port", int, "port to listen on; 0 picks a free one", default=0)
+    add("--advertise-address", str, "host:port the scheduler dials (default: this host's address on the route to the scheduler)")
+    add("--scheduler", str, "scheduler address (host:port) to register with")
+    add("--worker-id", str, "stable worker id (default: hostname-pid)")
+    add("--log-level", str, "debug, info, warning, error", default="info")
+    json_default = _env_bool(env["PAGEDSERVE_LOG_JSON"]) if "PAGEDSERVE_LOG_JSON" in env else True
+    parser.add_argument(
+        "--log-json",
+        dest="log_json",
+        action=argparse.BooleanOptionalAction,
+        default=json_default,
+        help="JSON log lines (--no-log-json: console) (env PAGEDSERVE_LOG_JSON)",
+    )
+    return parser

@@ -1,0 +1,79 @@
+"""The KV pool: per layer one K and one V tensor [num_blocks, block_size, num_kv_heads, head_dim].
+
+Its size is either an explicit block count or follows from a memory budget in bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Budget when the operator gives neither --num-blocks nor --kv-cache-memory.
+DEFAULT_CPU_BUDGET = 1024**3
+# On CUDA: this fraction of the memory still free after the weights are loaded.
+DEFAULT_CUDA_FRACTION = 0.85
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheSpec:
+    num_layers: int  # decoder layers, each with its own K and V tensor
+    num_kv_heads: int  # key/value heads per layer
+    head_dim: int  # elements per head
+    block_size: int  # tokens per block
+    dtype: torch.dtype  # element type of K and V
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes over all layers, K and V."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+
+    def num_blocks_for(self, budget_bytes: int) -> int:
+        return budget_bytes // self.block_bytes
+
+
+def default_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * DEFAULT_CUDA_FRACTION)
+    return DEFAULT_CPU_BUDGET
+
+
+def resolve_num_blocks(
+    spec: KVCacheSpec, device: torch.device, num_blocks: int | None, budget_bytes: int | None
+) -> int:
+    """The pool's block count: explicit, else from the budget, else from the device's default budget."""
+    if num_blocks is None:
+        budget = budget_bytes if budget_bytes is not None else default_budget(device)
+        num_blocks = spec.num_blocks_for(budget)
+        if num_blocks < 1:
+            raise ValueError(
+                f"a KV cache budget of {budget} bytes holds no block of {spec.block_bytes} bytes"
+            )
+    return num_blocks
+
+
+class KVCache:
+    """The pool's tensors, addressed by block id."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device):
+        assert num_blocks > 0
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.block_size = spec.block_size
+        self.device = device
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # NOTE: zeros, not empty: padded block-table entries may point anywhere, and garbage there
+        # (NaN/Inf from uninitialised memory) must never leak into a masked-out softmax term.
+        self.k_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+    @property
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k_cache, v_cache), the shape the model's forward takes."""
+        return list(zip(self.k_caches, self.v_caches, strict=True))
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.spec.block_bytes

@@ -1,0 +1,423 @@
+"""The worker's executor: applies step plans (proto/worker.proto) to its per-slot state and KV pool,
+runs one forward pass over the plan's flat batch, samples, and answers with a StepResult.
+
+The state of a live request is split in two: the small Python record (`SlotState`) and rows of two
+persistent numpy arrays indexed by slot, its token ids and its block table, so a step's input ids,
+slot mapping and block tables come from a few fancy-indexing gathers instead of per-token loops.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from pagedserve.kernels import get_ops
+from pagedserve.proto import common_pb2, worker_pb2
+from pagedserve.worker_svc.kv_cache import KVCache
+from pagedserve.worker_svc.model import AttentionMetadata, CausalLM
+from pagedserve.worker_svc.sampler import Sampler, SamplingMetadata, SlotSamplingState, compute_logprobs
+
+from pagedserve.errors import InvalidRequestError
+
+# Slots are small integers picked by the scheduler; this bounds the per-slot arrays.
+MAX_SLOTS = 1 << 16
+
+
+class PlanError(InvalidRequestError):
+    """A plan that breaks the step protocol; the runner's state is as it was before the plan."""
+
+
+@dataclass(slots=True)
+class SlotState:
+    request_id: str  # for logs (forks share it)
+    prompt_len: int  # leading tokens that are the prompt
+    num_tokens: int  # tokens known: prompt + sampled; ids in ModelRunner.token_ids[slot, :num_tokens]
+    num_computed_tokens: int  # leading tokens whose K/V are in the cache
+    num_blocks: int  # block table length; ids in ModelRunner.block_tables[slot, :num_blocks]
+    sampling: SlotSamplingState  # parameters and output history for penalties
+
+
+@dataclass(slots=True)
+class _Batch:
+    slots: np.ndarray  # int64 [S]: scheduled slots, in plan order
+    num_scheduled: np.ndarray  # int64 [S]: tokens computed per slot
+    start: np.ndarray  # int64 [S]: num_computed_tokens before the step
+    query_start_loc: np.ndarray  # int64 [S+1]: row offsets of each slot's tokens
+    num_tokens: int  # T, rows of the batch
+
+
+class ModelRunner:
+    """Stateful executor of step plans; one instance per worker, used from one thread at a time."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        max_model_len: int,
+        sampler: Sampler | None = None,
+    ):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.block_size = kv_cache.block_size
+        self.num_blocks = kv_cache.num_blocks
+        self.max_model_len = max_model_len
+        self.vocab_size = model.config.vocab_size
+        self.ops = get_ops(self.device)
+        self.sampler = sampler or Sampler(self.vocab_size, self.device)
+        self._kv_layers = kv_cache.layers
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        # NOTE: both arrays grow by doubling when a larger slot (or longer sequence) shows up, so the
+        # common case costs no allocation.
+        self.token_ids = np.zeros((8, min(max_model_len + 1, 1024)), dtype=np.int64)
+        self.block_tables = np.zeros((8, min(self.max_blocks_per_seq, 64)), dtype=np.int32)
+        self.slots: dict[int, SlotState] = {}
+        self.last_step_id = 0
+        self._idle_since: float | None = None
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget every request; the next plan must have step id 1."""
+        self.slots.clear()
+        self.last_step_id = 0
+        self._idle_since = None
+
+    @torch.inference_mode()
+    def execute(self, plan: worker_pb2.StepPlan, received_at: float | None = None) -> worker_pb2.StepResult:
+        """Validate, apply and run one plan. `received_at` (time.perf_counter()) is when the plan
+        arrived, for the idle time; default: now."""
+        t0 = time.perf_counter()
+        received_at = t0 if received_at is None else received_at
+        idle = 0.0 if self._idle_since is None else max(0.0, received_at - self._idle_since)
+        self._validate(plan)
+        self._apply(plan)
+        result = worker_pb2.StepResult(step_id=plan.step_id)
+        batch = self._batch(plan)
+        t1 = t2 = time.perf_counter()
+        if batch is not None:
+            input_ids, positions, attn = self._model_inputs(batch)
+            t1 = time.perf_counter()
+            hidden = self.model(input_ids, positions, attn, self._kv_layers)
+            sample_idx, prompt_rows = self._logits_rows(batch)
+            rows = np.concatenate([batch.query_start_loc[1:][sample_idx] - 1, *(r for _, r in prompt_rows)])
+            logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            t2 = time.perf_counter()
+            self._sample(batch, sample_idx, logits[: len(sample_idx)], result)
+            self._prompt_logprobs(batch, prompt_rows, logits[len(sample_idx) :], result)
+            batch_tokens = batch.num_tokens
+        else:
+            batch_tokens = 0
+        t3 = time.perf_counter()
+        self.last_step_id = plan.step_id
+        self._idle_since = t3
+        result.timings.idle_seconds = idle
+        result.timings.prepare_seconds = t1 - t0
+        result.timings.forward_seconds = t2 - t1
+        result.timings.sample_seconds = t3 - t2
+        result.timings.num_tokens = batch_tokens
+        return result
+
+    def tokens(self, slot: int) -> list[int]:
+        """Token ids known for a live slot (prompt + sampled)."""
+        state = self.slots[slot]
+        return self.token_ids[slot, : state.num_tokens].tolist()
+
+    def block_table(self, slot: int) -> list[int]:
+        state = self.slots[slot]
+        return self.block_tables[slot, : state.num_blocks].tolist()
+
+    # ---- validation: everything is checked before anything changes -------------------------------
+
+    def _validate(self, plan: worker_pb2.StepPlan) -> None:
+        step = plan.step_id
+
+        def fail(message: str) -> None:
+            raise PlanError(f"step {step}: {message}")
+
+        if step != self.last_step_id + 1:
+            fail(f"expected step id {self.last_step_id + 1} (a gap or a repeat)")
+
+        def check_block_ids(ids: Iterable[int], what: str) -> None:
+            ids = list(ids)
+            if ids and max(ids) >= self.num_blocks:
+                fail(f"{what} block id {max(ids)} is out of range (the pool has {self.num_blocks} blocks)")
+
+        # 1. finished and preempted slots must be live, each freed once.
+        freed: set[int] = set()
+        for kind, slots in (("finished", plan.finished_slots), ("preempted", plan.preempted_slots)):
+            for slot in slots:
+                if slot not in self.slots:
+                    fail(f"{kind} slot {slot} is not live")
+                if slot in freed:
+                    fail(f"slot {slot} is freed twice")
+                freed.add(slot)
+
+        # 2. new requests take free slots (one freed in this plan is free).
+        new: dict[int, worker_pb2.NewRequest] = {}
+        for req in plan.new_requests:
+            slot, n = req.slot, len(req.token_ids)
+            where = f"new request {req.request_id!r} (slot {slot})"
+            if slot >= MAX_SLOTS:
+                fail(f"{where}: slot is out of range (max {MAX_SLOTS - 1})")
+            if (slot in self.slots and slot not in freed) or slot in new:
+                fail(f"{where}: slot {slot} is live")
+            if n == 0:
+                fail(f"{where}: no token ids")
+            if not 0 < req.prompt_len <= n:
+                fail(f"{where}: prompt_len {req.prompt_len} is not in 1..{n} (its token count)")
+            if req.num_computed_tokens > n:
+                fail(f"{where}: num_computed_tokens {req.num_computed_tokens} exceeds its {n} tokens")
+            if max(req.token_ids) >= self.vocab_size:
+                fail(f"{where}: token id {max(req.token_ids)} is outside the vocabulary ({self.vocab_size})")
+            try:
+                _sampling_state(req).check(self.vocab_size)
+            except ValueError as exc:
+                fail(f"{where}: {exc}")
+            new[slot] = req
+
+        def live(slot: int) -> bool:
+            return (slot in self.slots and slot not in freed) or slot in new
+
+        def table_len(slot: int) -> int:
+            return 0 if slot in new else self.slots[slot].num_blocks
+
+        # 3. block table replacements, then appends.
+        if not len(plan.replaced_slots) == len(plan.replaced_block_indices) == len(plan.replaced_block_ids):
+            fail("replaced_slots, replaced_block_indices and replaced_block_ids differ in length")
+        check_block_ids(plan.replaced_block_ids, "replaced")
+        for slot, index in zip(plan.replaced_slots, plan.replaced_block_indices, strict=True):
+            if not live(slot):
+                fail(f"replaced slot {slot} is not live")
+            if index >= table_len(slot):
+                fail(f"slot {slot}: replaced block index {index} is beyond its {table_len(slot)} blocks")
+
+        # 4. copies.
+        if len(plan.copy_src_blocks) != len(plan.copy_dst_blocks):
+            fail("copy_src_blocks and copy_dst_blocks differ in length")
+        check_block_ids(plan.copy_src_blocks, "copy source")
+        check_block_ids(plan.copy_dst_blocks, "copy destination")
+
+        # 5. the batch.
+        if not len(plan.slots) == len(plan.num_scheduled_tokens) == len(plan.num_new_blocks):
+            fail("slots, num_scheduled_tokens and num_new_blocks differ in length")
+        if sum(plan.num_new_blocks) != len(plan.new_block_ids):
+            fail(
+                f"num_new_blocks sum to {sum(plan.num_new_blocks)} but {len(plan.new_block_ids)} new_block_ids"
+            )
+        check_block_ids(plan.new_block_ids, "new")
+        scheduled: set[int] = set()
+        for slot, n, appended in zip(plan.slots, plan.num_scheduled_tokens, plan.num_new_blocks, strict=True):
+            if not live(slot):
+                fail(f"slot {slot} is not live")
+            if slot in scheduled:
+                fail(f"slot {slot} is scheduled twice")
+            scheduled.add(slot)
+            if n == 0:
+                fail(f"slot {slot}: num_scheduled_tokens is 0")
+            if slot in new:
+                computed, known = new[slot].num_computed_tokens, len(new[slot].token_ids)
+            else:
+                state = self.slots[slot]
+                computed, known = state.num_computed_tokens, state.num_tokens
+            end = computed + n
+            if end > known:
+                fail(f"slot {slot}: {n} tokens scheduled after {computed} computed, but it has only {known}")
+            if end > self.max_model_len:
+                fail(f"slot {slot}: position {end - 1} is beyond max_model_len {self.max_model_len}")
+            blocks = table_len(slot) + appended
+            if blocks * self.block_size < end:
+                fail(
+                    f"slot {slot}: block table of {blocks} blocks holds {blocks * self.block_size} tokens, "
+                    f"{end} needed"
+                )
+        for slot, req in new.items():
+            if slot not in scheduled and req.num_computed_tokens > 0:
+                fail(f"slot {slot}: {req.num_computed_tokens} computed tokens but no block table")
+
+    # ---- applying a plan, in the order worker.proto gives ----------------------------------------
+
+    def _apply(self, plan: worker_pb2.StepPlan) -> None:
+        for slot in (*plan.finished_slots, *plan.preempted_slots):
+            del self.slots[slot]
+        for req in plan.new_requests:
+            n = len(req.token_ids)
+            self._reserve(req.slot, n + 1, 0)
+            self.token_ids[req.slot, :n] = req.token_ids
+            self.slots[req.slot] = SlotState(
+                request_id=req.request_id,
+                prompt_len=req.prompt_len,
+                num_tokens=n,
+                num_computed_tokens=req.num_computed_tokens,
+                num_blocks=0,
+                sampling=_sampling_state(req),
+            )
+        for slot, index, block in zip(
+            plan.replaced_slots, plan.replaced_block_indices, plan.replaced_block_ids, strict=True
+        ):
+            self.block_tables[slot, index] = block
+        offset = 0
+        for slot, appended in zip(plan.slots, plan.num_new_blocks, strict=True):
+            if appended:
+                state = self.slots[slot]
+                self._reserve(slot, 0, state.num_blocks + appended)
+                ids = plan.new_block_ids[offset : offset + appended]
+                self.block_tables[slot, state.num_blocks : state.num_blocks + appended] = ids
+                state.num_blocks += appended
+                offset += appended
+        if plan.copy_src_blocks:
+            src = torch.tensor(plan.copy_src_blocks, dtype=torch.int64, device=self.device)
+            dst = torch.tensor(plan.copy_dst_blocks, dtype=torch.int64, device=self.device)
+            self.ops.copy_blocks(self.kv_cache.k_caches, self.kv_cache.v_caches, src, dst)
+
+    def _reserve(self, slot: int, num_tokens: int, num_blocks: int) -> None:
+        rows, cols = self.token_ids.shape
+        if slot >= rows or num_tokens > cols:
+            grown = np.zeros((_grow(rows, slot + 1), _grow(cols, num_tokens)), dtype=np.int64)
+            grown[:rows, :cols] = self.token_ids
+            self.token_ids = grown
+        rows, cols = self.block_tables.shape
+        if slot >= rows or num_blocks > cols:
+            grown = np.zeros((_grow(rows, slot + 1), _grow(cols, num_blocks)), dtype=np.int32)
+            grown[:rows, :cols] = self.block_tables
+            self.block_tables = grown
+
+    # ---- the batch --------------------------------------------------------------------------------
+
+    def _batch(self, plan: worker_pb2.StepPlan) -> _Batch | None:
+        if not plan.slots:
+            return None
+        slots = np.asarray(plan.slots, dtype=np.int64)
+        num_scheduled = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
+        start = np.fromiter((self.slots[s].num_computed_tokens for s in plan.slots), np.int64, len(slots))
+        query_start_loc = np.zeros(len(slots) + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        return _Batch(slots, num_scheduled, start, query_start_loc, int(query_start_loc[-1]))
+
+    def _model_inputs(self, b: _Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        # Per token: which batch row (sequence) it belongs to and its position in that sequence.
+        seq_of_token = np.repeat(np.arange(len(b.slots)), b.num_scheduled)
+        positions = b.start[seq_of_token] + (np.arange(b.num_tokens) - b.query_start_loc[seq_of_token])
+        slot_of_token = b.slots[seq_of_token]
+        input_ids = self.token_ids[slot_of_token, positions]
+        block_of_token = self.block_tables[slot_of_token, positions // self.block_size].astype(np.int64)
+        slot_mapping = block_of_token * self.block_size + positions % self.block_size
+        context_lens = b.start + b.num_scheduled
+        max_blocks = int(-(-context_lens.max() // self.block_size))
+        block_tables = self.block_tables[b.slots, :max_blocks]
+
+        def dev(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype, non_blocking=True)
+
+        attn = AttentionMetadata(
+            slot_mapping=dev(slot_mapping, torch.int64),
+            block_tables=dev(block_tables, torch.int32),
+            query_start_loc=dev(b.query_start_loc, torch.int32),
+            context_lens=dev(context_lens, torch.int32),
+            max_query_len=int(b.num_scheduled.max()),
+        )
+        return dev(input_ids, torch.int64), dev(positions, torch.int64), attn
+
+    def _logits_rows(self, b: _Batch) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
+        """Batch indices that sample (their known tokens are all computed after this step), and per
+        batch index asking for prompt logprobs, the rows whose logits score a prompt token."""
+        sample_idx = []
+        prompt_rows = []
+        for i, slot in enumerate(b.slots.tolist()):
+            state = self.slots[slot]
+            end = int(b.start[i] + b.num_scheduled[i])
+            if end == state.num_tokens:
+                sample_idx.append(i)
+            if state.sampling.prompt_logprobs is not None:
+                # Row of position q scores token q + 1; prompt tokens 1..prompt_len-1 have a score.
+                last = min(end, state.prompt_len - 1)
+                if last > b.start[i]:
+                    first_row = b.query_start_loc[i]
+                    prompt_rows.append((i, np.arange(first_row, first_row + last - b.start[i])))
+        return np.asarray(sample_idx, dtype=np.int64), prompt_rows
+
+    # ---- sampling and the result ------------------------------------------------------------------
+
+    def _sample(
+        self, b: _Batch, sample_idx: np.ndarray, logits: torch.Tensor, result: worker_pb2.StepResult
+    ) -> None:
+        # Every scheduled slot's tokens advance, whether it samples or not (a prefill chunk).
+        for slot, n in zip(b.slots.tolist(), b.num_scheduled.tolist(), strict=True):
+            self.slots[slot].num_computed_tokens += n
+        if len(sample_idx) == 0:
+            return
+        slots = b.slots[sample_idx].tolist()
+        states = [self.slots[s] for s in slots]
+        meta = SamplingMetadata.build([s.sampling for s in states], self.vocab_size, self.device)
+        out = self.sampler(logits, meta)
+        token_ids = out.token_ids.tolist()
+        for slot, state, token in zip(slots, states, token_ids, strict=True):
+            self._reserve(slot, state.num_tokens + 2, 0)
+            self.token_ids[slot, state.num_tokens] = token
+            state.num_tokens += 1
+            state.sampling.append_output(token)
+        result.sampled_slots.extend(slots)
+        result.sampled_token_ids.extend(token_ids)
+        result.sampled_logprobs.extend(out.logprobs.tolist())
+        result.sampled_ranks.extend(out.ranks.tolist())
+        if meta.max_num_logprobs:
+            top_ids, top_logprobs = out.top_ids.tolist(), out.top_logprobs.tolist()
+            for row, state in enumerate(states):
+                k = state.sampling.logprobs or 0
+                result.num_top_logprobs.append(k)
+                result.top_token_ids.extend(top_ids[row][:k])
+                result.top_logprobs.extend(top_logprobs[row][:k])
+        else:
+            result.num_top_logprobs.extend([0] * len(slots))
+
+    def _prompt_logprobs(
+        self,
+        b: _Batch,
+        prompt_rows: list[tuple[int, np.ndarray]],
+        logits: torch.Tensor,
+        result: worker_pb2.StepResult,
+    ) -> None:
+        offset = 0
+        for i, rows in prompt_rows:
+            slot = int(b.slots[i])
+            state = self.slots[slot]
+            first = int(b.start[i]) + 1  # the prompt position scored by the first row
+            targets = torch.from_numpy(self.token_ids[slot, first : first + len(rows)].copy())
+            k = state.sampling.prompt_logprobs or 0
+            lp = compute_logprobs(logits[offset : offset + len(rows)], targets.to(self.device), k)
+            offset += len(rows)
+            entry = result.prompt_logprobs.add(slot=slot, start_position=first)
+            for token, logprob, rank, top_ids, top_lps in zip(
+                targets.tolist(),
+                lp.logprobs.tolist(),
+                lp.ranks.tolist(),
+                lp.top_ids.tolist(),
+                lp.top_logprobs.tolist(),
+                strict=True,
+            ):
+                entry.logprobs.append(
+                    common_pb2.TokenLogprob(
+                        token_id=token,
+                        logprob=logprob,
+                        rank=rank,
+                        top_token_ids=top_ids,
+                        top_logprobs=top_lps,
+                    )
+                )
+
+
+def _sampling_state(req: worker_pb2.NewRequest) -> SlotSamplingState:
+    return SlotSamplingState.from_proto(
+        req.sampling, req.token_ids[: req.prompt_len], output_token_ids=req.token_ids[req.prompt_len :]
+    )
+
+
+def _grow(current: int, needed: int) -> int:
+    while current < needed:
+        current *= 2
+    return current

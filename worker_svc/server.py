@@ -1,0 +1,308 @@
+"""The worker process: the Worker gRPC service over a ModelRunner, health, reflection, registration.
+
+The model runs in one dedicated thread. A reader task takes plans off the Steps stream as soon as
+they arrive (stamping their arrival for StepTimings.idle_seconds) while the thread computes the
+previous one, so with a pipelining scheduler the next plan is already waiting when a step ends.
+
+    pagedserve worker --model default --scheduler scheduler:50050
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pagedserve.proto import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pagedserve.worker_svc.config import WorkerConfig
+from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
+from pagedserve.worker_svc.loader import load_model, parse_dtype
+from pagedserve.worker_svc.runner import ModelRunner, PlanError
+
+from pagedserve.errors import PagedServeError
+from pagedserve.grpc_utils import CHANNEL_OPTIONS, SERVER_OPTIONS, add_health_and_reflection, set_serving
+from pagedserve.logging import configure_logging, get_logger
+from pagedserve.model_files import load_generation_info, model_name, resolve_model
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+log = get_logger("pagedserve.worker")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+@dataclass(slots=True)
+class LoadedWorker:
+    runner: ModelRunner  # the executor over the loaded model and its KV pool
+    info: worker_pb2.ModelInfo  # what GetModelInfo / Reset answer
+
+
+def load_worker(config: WorkerConfig) -> LoadedWorker:
+    """Load the model, size and allocate the KV pool, build the runner."""
+    model_dir = resolve_model(config.model)
+    device = resolve_device(config.device)
+    dtype = parse_dtype(config.dtype, device)
+    model = load_model(model_dir, dtype, device)
+    mc = model.config
+    generation = load_generation_info(model_dir)
+    max_model_len = min(config.max_model_len or generation.max_model_len, mc.max_position)
+    spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, dtype)
+    num_blocks = resolve_num_blocks(spec, device, config.num_blocks, config.kv_cache_memory)
+    kv_cache = KVCache(spec, num_blocks, device)
+    runner = ModelRunner(model, kv_cache, max_model_len)
+    info = worker_pb2.ModelInfo(
+        model=model_name(model_dir),
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        dtype=DTYPE_NAMES[dtype],
+        device=str(device),
+        max_model_len=max_model_len,
+        vocab_size=mc.vocab_size,
+        num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        block_bytes=spec.block_bytes,
+        eos_token_ids=list(generation.eos_token_ids),
+    )
+    log.info(
+        "kv_cache_allocated",
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        kv_cache_bytes=kv_cache.num_bytes,
+        max_model_len=max_model_len,
+    )
+    return LoadedWorker(runner, info)
+
+
+_END = object()
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, runner: ModelRunner, info: worker_pb2.ModelInfo):
+        self.runner = runner
+        self.info = info
+        # NOTE: one thread: plans execute strictly in order, and the asyncio loop stays free to
+        # receive the next plan (and answer health checks) while a forward pass runs.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-forward")
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def Steps(
+        self, request_iterator: AsyncIterator[worker_pb2.StepPlan], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.StepResult]:
+        plans: asyncio.Queue = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for plan in request_iterator:
+                    plans.put_nowait((plan, time.perf_counter()))
+            finally:
+                plans.put_nowait((_END, 0.0))
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                plan, received_at = await plans.get()
+                if plan is _END:
+                    return
+                try:
+                    result = await self._run(self.runner.execute, plan, received_at)
+                except PlanError as error:
+                    log.warning("plan_refused", step_id=plan.step_id, error=error.message)
+                    await context.abort(error.grpc_code, error.message)
+                except Exception as error:
+                    # NOTE: the state may be half-applied now; the scheduler resets us when it reconnects.
+                    log.exception("step_failed", step_id=plan.step_id)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id}: {error!r}")
+                yield result
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+
+    async def Reset(self, request: worker_pb2.ResetRequest, context) -> worker_pb2.ModelInfo:
+        await self._run(self.runner.reset)
+        log.info("reset")
+        return self.info
+
+    async def GetModelInfo(self, request: worker_pb2.ModelInfoRequest, context) -> worker_pb2.ModelInfo:
+        return self.info
+
+
+class Registrar:
+    """Announces the worker to the scheduler, retrying with backoff, and announces it again whenever
+    the scheduler comes back (its health stream breaks or leaves SERVING: a restart or an outage)."""
+
+    def __init__(
+        self,
+        scheduler: str,
+        request: engine_pb2.RegisterWorkerRequest,
+        initial_backoff: float = 0.5,
+        max_backoff: float = 10.0,
+    ):
+        self.scheduler = scheduler
+        self.request = request
+        self.initial_backoff = initial_backoff
+        self.max_backoff = max_backoff
+        self.registrations = 0  # successful registrations so far
+        self.registered = asyncio.Event()  # set while the scheduler is known to hold us
+
+    async def run(self) -> None:
+        async with grpc.aio.insecure_channel(self.scheduler, options=CHANNEL_OPTIONS) as channel:
+            engine = engine_pb2_grpc.EngineStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                await self._register(engine)
+                await self._watch(health)
+                self.registered.clear()
+                log.warning("scheduler_lost", scheduler=self.scheduler)
+
+    async def _register(self, engine: engine_pb2_grpc.EngineStub) -> None:
+        backoff = self.initial_backoff
+        while True:
+            try:
+                response = await engine.RegisterWorker(self.request, timeout=10.0)
+            except grpc.RpcError as error:
+                log.info("register_retry", scheduler=self.scheduler, code=error.code().name, backoff=backoff)
+            else:
+                if response.accepted:
+                    self.registrations += 1
+                    self.registered.set()
+                    log.info("registered", scheduler=self.scheduler, address=self.request.address)
+                    return
+                # NOTE: a refusal (other model, other block size) may be fixed by redeploying the
+                # scheduler, so keep trying, slowly.
+                log.error("register_refused", scheduler=self.scheduler, message=response.message)
+                backoff = self.max_backoff
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.max_backoff)
+
+    async def _watch(self, health: health_pb2_grpc.HealthStub) -> None:
+        """Returns when the scheduler must be told about us again."""
+        serving = health_pb2.HealthCheckResponse.SERVING
+        try:
+            async for response in health.Watch(health_pb2.HealthCheckRequest(service="")):
+                if response.status != serving:
+                    return
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                return
+        # A scheduler without health Watch: poll its reachability instead.
+        while True:
+            await asyncio.sleep(self.max_backoff)
+            try:
+                await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5.0)
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    return
+
+
+class WorkerServer:
+    """The worker's gRPC server and its registration task."""
+
+    def __init__(self, config: WorkerConfig, loaded: LoadedWorker, max_register_backoff: float = 10.0):
+        self.config = config
+        self.loaded = loaded
+        self.max_register_backoff = max_register_backoff
+        self.servicer = WorkerServicer(loaded.runner, loaded.info)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
+        self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
+        self.port = 0
+        self.registrar: Registrar | None = None
+        self._register_task: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        return self.config.advertised(self.port)
+
+    async def start(self) -> None:
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
+        await self.server.start()
+        await set_serving(self.health, [SERVICE_NAME], True)
+        log.info("serving", address=self.address, port=self.port, **_info_fields(self.loaded.info))
+        if self.config.scheduler:
+            info = self.loaded.info
+            request = engine_pb2.RegisterWorkerRequest(
+                worker_id=self.config.worker_id,
+                address=self.address,
+                model=info.model,
+                num_blocks=info.num_blocks,
+                block_size=info.block_size,
+                dtype=info.dtype,
+                device=info.device,
+                max_model_len=info.max_model_len,
+            )
+            self.registrar = Registrar(self.config.scheduler, request, max_backoff=self.max_register_backoff)
+            self._register_task = asyncio.create_task(self.registrar.run())
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        if self._register_task is not None:
+            self._register_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._register_task
+        await set_serving(self.health, [SERVICE_NAME], False)
+        await self.server.stop(grace)
+        self.servicer.executor.shutdown(wait=True)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+def _info_fields(info: worker_pb2.ModelInfo) -> dict:
+    return {
+        "model": info.model,
+        "num_blocks": info.num_blocks,
+        "block_size": info.block_size,
+        "dtype": info.dtype,
+        "device": info.device,
+        "max_model_len": info.max_model_len,
+    }
+
+
+async def serve(config: WorkerConfig) -> None:
+    loaded = await asyncio.to_thread(load_worker, config)
+    server = WorkerServer(config, loaded)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping")
+    await server.stop(grace=5.0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = WorkerConfig.from_args(argv)
+    configure_logging("worker", config.log_level, json=config.log_json)
+    try:
+        asyncio.run(serve(config))
+    except (FileNotFoundError, ValueError, PagedServeError) as error:
+        log.error("worker_failed", error=str(error))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
