@@ -5,6 +5,8 @@
     pagedserve scheduler  the scheduler: block tables, prefix cache, batching
     pagedserve gateway    the OpenAI-compatible HTTP API and the public gRPC API
     pagedserve bench      benchmarks
+    pagedserve prepare-model   convert the model into the cache (containers do it once, up front)
+    pagedserve healthcheck     exit 0 when a gRPC or HTTP service is healthy
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "scheduler": ("pagedserve.scheduler_svc.server", "run the scheduler (Engine service)"),
     "gateway": ("pagedserve.gateway.server", "run the gateway (OpenAI HTTP API and gRPC API)"),
     "bench": ("pagedserve.bench", "benchmarks (bench serve: load generator)"),
+    "prepare-model": ("pagedserve.prepare_model", "convert the model into the cache once and print its folder"),
+    "healthcheck": ("pagedserve.healthcheck", "exit 0 when a gRPC or HTTP service is healthy (container checks)"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: pagedserve <command> [options]", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<14} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     lines += ["", "Run `pagedserve <command> --help` for a command's options."]
     return "\n".join(lines)
 

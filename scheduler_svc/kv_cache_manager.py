@@ -42,8 +42,9 @@ class KVCacheManager:
 
     def lookup(self, req: Request) -> list[CacheNode]:
         """Cached blocks for req's leading tokens; never covers its last token (which must be
-        computed to sample). No side effect."""
-        if self.cache is None:
+        computed to sample). None for a request that scores its prompt (prompt logprobs): like
+        vLLM, it computes every prompt position. No side effect."""
+        if self.cache is None or req.wants_prompt_logprobs:
             return []
         return self.cache.match(req.cache_salt, req.token_ids, (len(req.token_ids) - 1) // self.block_size)
 

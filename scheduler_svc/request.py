@@ -57,8 +57,9 @@ class Request:
     cache_node: CacheNode | None = None
     # Prompt tokens served by the prefix cache at first admission (for usage).
     num_cached_prompt_tokens: int = -1
-    # Sequences still to fork off once the prompt but its last token is computed (n - 1), or 0.
-    num_forks_pending: int = 0
+    # Indices of the sequences still to fork off once the prompt but its last token is computed
+    # (1..n-1 for a new request with n > 1; empty otherwise).
+    pending_forks: list[int] = field(default_factory=list)
     # Why the sequence ended; UNSPECIFIED while it runs.
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     # The stop token id (from sampling.stop_token_ids) that ended it, when one did.
@@ -73,6 +74,8 @@ class Request:
     stop_token_ids: frozenset[int] = field(init=False)
     # Whether the worker returns log-probabilities of the sampled tokens.
     wants_logprobs: bool = field(init=False)
+    # Whether the worker scores every prompt token (so no prefix-cache hit may skip one).
+    wants_prompt_logprobs: bool = field(init=False)
 
     def __post_init__(self) -> None:
         sp = self.sampling
@@ -80,6 +83,7 @@ class Request:
         self.ignore_eos = sp.ignore_eos
         self.stop_token_ids = frozenset(sp.stop_token_ids)
         self.wants_logprobs = sp.HasField("logprobs")
+        self.wants_prompt_logprobs = sp.HasField("prompt_logprobs")
 
     @classmethod
     def from_generate_request(
@@ -94,6 +98,30 @@ class Request:
             cache_salt=msg.cache_salt,
             priority=msg.priority,
             arrival_time=arrival_time,
+        )
+
+    @classmethod
+    def resume(
+        cls,
+        msg: engine_pb2.EngineGenerateRequest,
+        index: int,
+        output_token_ids: list[int],
+        eos_token_ids: frozenset[int],
+        arrival_time: float,
+    ) -> Request:
+        """Sequence `index` of msg carrying on after output_token_ids (e.g. on another worker): the
+        prompt stays the prompt and the outputs stay outputs, exactly like a preempted sequence, so
+        seeded draws keep their positions and penalties and limits count those tokens as output."""
+        return cls(
+            request_id=msg.request_id,
+            token_ids=[*msg.prompt_token_ids, *output_token_ids],
+            prompt_len=len(msg.prompt_token_ids),
+            sampling=_sequence_sampling(msg.sampling, index),
+            eos_token_ids=frozenset(eos_token_ids),
+            cache_salt=msg.cache_salt,
+            priority=msg.priority,
+            arrival_time=arrival_time,
+            index=index,
         )
 
     @property
@@ -130,16 +158,12 @@ class Request:
     def fork(self, index: int) -> Request:
         """Sequence `index` of this request: same tokens and progress, its own seed; the caller
         shares the blocks (KVCacheManager.fork)."""
-        assert self.index == 0 and self.num_output_tokens == 0 and self.num_pending_tokens == 0
-        sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(self.sampling)
-        if sampling.HasField("seed"):
-            sampling.seed = self.sampling.seed + index
+        assert self.num_output_tokens == 0 and self.num_pending_tokens == 0
         return Request(
             request_id=self.request_id,
             token_ids=list(self.token_ids),
             prompt_len=self.prompt_len,
-            sampling=sampling,
+            sampling=_sequence_sampling(self.sampling, index - self.index),
             eos_token_ids=self.eos_token_ids,
             cache_salt=self.cache_salt,
             priority=self.priority,
@@ -154,3 +178,14 @@ class Request:
             cache_node=self.cache_node,
             num_cached_prompt_tokens=self.num_cached_prompt_tokens,
         )
+
+
+def _sequence_sampling(sampling: common_pb2.SamplingParams, offset: int) -> common_pb2.SamplingParams:
+    """The sampling parameters of one sequence, `offset` sequences after the one `sampling` belongs
+    to: a single sequence (n = 1) whose seed, when there is one, is offset by as much."""
+    sequence = common_pb2.SamplingParams()
+    sequence.CopyFrom(sampling)
+    sequence.n = 1
+    if sequence.HasField("seed"):
+        sequence.seed = sampling.seed + offset
+    return sequence

@@ -19,6 +19,7 @@ from pagedserve.proto import common_pb2, worker_pb2
 
 from .config import SchedulerConfig
 from .kv_cache_manager import CowCopy, KVCacheManager
+from .prefix_cache import CacheNode
 from .request import Request, RequestStatus
 
 _FINISH_NAMES = {
@@ -128,13 +129,20 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, req: Request) -> None:
+        """Queue a request: a new one (its n sequences fork off after the prompt but its last
+        token), or one sequence carrying on with output tokens already generated (token_ids = prompt
+        + outputs; those outputs are not reported again), like a preempted one. A sequence may join
+        live sequences of the same request id if its index is not taken."""
         cfg = self.config
         sp = req.sampling
         n = max(sp.n, 1)
-        if req.request_id in self._requests:
-            raise ValueError(f"request {req.request_id!r} is already live")
-        if not 1 <= req.prompt_len == len(req.token_ids):
-            raise ValueError("a request needs at least one prompt token, and no output yet")
+        group = self._requests.get(req.request_id)
+        if not 1 <= req.prompt_len <= len(req.token_ids):
+            raise ValueError("a request needs at least one prompt token")
+        if (req.index or req.num_output_tokens) and n > 1:
+            raise ValueError("a sequence with an index or output tokens is one sequence: n must be 1")
+        if group is not None and (n > 1 or req.index in _taken_indices(group)):
+            raise ValueError(f"request {req.request_id!r} (sequence {req.index}) is already live")
         if req.prompt_len >= cfg.max_model_len:
             raise ValueError(f"prompt of {req.prompt_len} tokens leaves no room under {cfg.max_model_len}")
         if sp.HasField("max_tokens") and sp.max_tokens < 1:
@@ -143,46 +151,116 @@ class Scheduler:
             raise ValueError(f"n={n} exceeds max_num_seqs={cfg.max_num_seqs}")
         room = cfg.max_model_len - req.prompt_len
         req.max_output_tokens = min(sp.max_tokens, room) if sp.HasField("max_tokens") else room
+        if req.num_output_tokens >= req.max_output_tokens:
+            raise ValueError(f"{req.num_output_tokens} output tokens leave nothing to generate")
         longest = req.prompt_len + req.max_output_tokens
         if n * -(-longest // cfg.block_size) > cfg.num_blocks:
             # NOTE: refused up front because alone in the pool it could never finish.
             raise ValueError(f"{n} sequence(s) of up to {longest} tokens can never fit the KV pool")
-        self._num_arrivals += 1
-        req.arrival_seq = self._num_arrivals
+        if group is None:
+            self._num_arrivals += 1
+            req.arrival_seq = self._num_arrivals
+        else:
+            req.arrival_seq = group[0].arrival_seq  # siblings keep one place in the service order
         req.sort_key = (req.priority if cfg.policy == "priority" else 0, req.arrival_seq, req.index)
-        req.num_forks_pending = n - 1
+        req.pending_forks = list(range(1, n))
         req.status = RequestStatus.WAITING
         bisect.insort(self.waiting, req, key=_sort_key)
-        self._requests[req.request_id] = [req]
+        if group is None:
+            self._requests[req.request_id] = [req]
+        else:
+            group.append(req)
 
-    def abort_request(self, request_id: str) -> list[RequestOutput]:
-        """Abort every live sequence of the request (sequences not forked yet included); unknown
-        ids give an empty list."""
-        outputs = []
-        for req in list(self._requests.get(request_id, ())):
-            unforked = req.num_forks_pending
-            self._finish(req, common_pb2.FINISH_REASON_ABORT)
-            outputs.append(self._output(req, [], None))
-            for index in range(1, unforked + 1):
-                outputs.append(
-                    RequestOutput(
-                        req.request_id, index, [], None, common_pb2.FINISH_REASON_ABORT, None,
-                        req.prompt_len, 0, max(req.num_cached_prompt_tokens, 0),
-                    )
-                )  # fmt: skip
-        return outputs
+    def abort_request(self, request_id: str, index: int | None = None) -> list[RequestOutput]:
+        """Abort sequence `index` of the request, or every live one (sequences not forked yet
+        included) when None; its blocks are released now. Unknown ids or indices give []."""
+        group = self._requests.get(request_id, ())
+        if index is None:
+            return [out for req in list(group) for out in self._abort(req)]
+        for req in group:
+            if req.index == index:
+                if req.pending_forks:
+                    self._hand_over_forks(req)
+                return self._abort(req)
+            if index in req.pending_forks:
+                req.pending_forks.remove(index)
+                if req.status is RequestStatus.RUNNING:
+                    self._num_reserved_seqs -= 1
+                self._finished_by_reason["abort"] += 1
+                return [self._unforked_abort_output(req, index)]
+        return []
+
+    def _abort(self, req: Request) -> list[RequestOutput]:
+        unforked = list(req.pending_forks)
+        self._finish(req, common_pb2.FINISH_REASON_ABORT)
+        return [self._output(req, [], None)] + [self._unforked_abort_output(req, i) for i in unforked]
+
+    @staticmethod
+    def _unforked_abort_output(parent: Request, index: int) -> RequestOutput:
+        return RequestOutput(
+            parent.request_id, index, [], None, common_pb2.FINISH_REASON_ABORT, None,
+            parent.prompt_len, 0, max(parent.num_cached_prompt_tokens, 0),
+        )  # fmt: skip
+
+    def _hand_over_forks(self, parent: Request) -> None:
+        """The parent is aborted before its siblings forked off: the first of them forks now, takes
+        over the parent's progress (sharing its blocks) and forks the others in its turn."""
+        heir_index, *rest = parent.pending_forks
+        heir = parent.fork(heir_index)
+        heir.pending_forks = rest
+        parent.pending_forks = []
+        self._requests[parent.request_id].append(heir)
+        if parent.status is RequestStatus.RUNNING:
+            self.kv.fork(parent, heir)
+            self._num_reserved_seqs -= 1  # the heir takes a batch place of its own
+            bisect.insort(self.running, heir, key=_sort_key)
+            if rest and heir.num_computed_tokens == heir.prompt_len - 1:
+                self._to_fork.append(heir)
+        else:
+            heir.status = RequestStatus.WAITING
+            bisect.insort(self.waiting, heir, key=_sort_key)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def has_work(self) -> bool:
+        """Whether schedule() would return a non-empty step now (tokens to compute, sequences to
+        fork, departures to report); no side effect. Call it before schedule() to avoid empty
+        steps: a False stays False until a request arrives or is aborted or a result comes in."""
+        if self._finished or self._preempted or any(map(_ready_to_fork, self._to_fork)):
+            return True
+        for req in self.running:
+            if _num_tokens_to_compute(req) > 0:
+                return True  # scheduled, or it preempts: either way the step is not empty
+        # NOTE: with nothing running to compute, the first waiting request gets the whole budget
+        # and every free block, exactly as schedule() would give them.
+        return bool(self.waiting) and (
+            self._admission(self.waiting[0], self.config.max_num_batched_tokens) is not None
+        )
+
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
+        out = self._schedule_once()
+        if not out.scheduled and any(map(_ready_to_fork, self._to_fork)):
+            # NOTE: parents admitted on a prefix hit covering their prompt but its last token had
+            # nothing to compute before forking: fork them and schedule again in the same step rather
+            # than send a step without tokens. The first pass built nothing the worker needs but
+            # its departures, which the second pass reports (it admitted, so it preempted none).
+            assert not out.preempted
+            self._step_id -= 1
+            first, out = out, self._schedule_once()
+            out.finished[:0] = first.finished
+        return out
+
+    def _schedule_once(self) -> SchedulerOutput:
         cfg = self.config
         kv = self.kv
         bs = cfg.block_size
+        ref_counts = kv.pool.ref_counts
         self._step_id += 1
-        self._fork_ready_parents()
+        if self._to_fork:
+            self._fork_ready_parents()
         budget = cfg.max_num_batched_tokens
         scheduled: list[Request] = []
         counts: list[int] = []
@@ -195,12 +273,32 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             i += 1
-            if req.num_forks_pending:
-                num_new = req.prompt_len - 1 - req.num_computed_tokens
-            elif req.can_sample():
-                num_new = len(req.token_ids) + req.num_pending_tokens - req.num_computed_tokens
+            start = req.num_computed_tokens
+            if req.pending_forks:
+                num_new = req.prompt_len - 1 - start
             else:
-                continue  # its last samples are in flight: the results will finish it
+                num_known = len(req.token_ids)
+                num_tokens = num_known + req.num_pending_tokens
+                if num_tokens - req.prompt_len >= req.max_output_tokens:
+                    continue  # its last samples are in flight: the results will finish it
+                num_new = num_tokens - start
+                if (
+                    num_new == 1
+                    and start % bs
+                    and start >= req.prompt_len
+                    and ref_counts[req.block_table[-1]] == 1
+                ):
+                    # Fast path, the common case: a decode whose token lands in its own partly filled
+                    # last block (no block to allocate, nothing shared); _schedule_tokens inlined.
+                    req.num_computed_tokens = num_tokens
+                    req.num_pending_tokens += 1
+                    scheduled.append(req)
+                    counts.append(1)
+                    sampled.append(req)
+                    budget -= 1
+                    if req.cache_node is not None and num_known // bs > req.num_cached_blocks:
+                        kv.cache_full_blocks(req)
+                    continue
             if num_new <= 0:
                 continue
             if num_new > budget:
@@ -222,31 +320,21 @@ class Scheduler:
         waiting = self.waiting
         while waiting and budget > 0 and not preempted:
             req = waiting[0]
-            if req.num_pending_tokens:
-                break  # preempted with samples in flight: it comes back once they are in
-            if len(running) + self._num_reserved_seqs + 1 + req.num_forks_pending > cfg.max_num_seqs:
+            admission = self._admission(req, budget)
+            if admission is None:
                 break
-            hits = kv.lookup(req)
-            num_hit = len(hits) * bs
-            end = req.prompt_len - 1 if req.num_forks_pending else len(req.token_ids)
-            num_new = end - num_hit
-            if num_new > budget:
-                if not cfg.enable_chunked_prefill and num_new <= cfg.max_num_batched_tokens:
-                    break
-                num_new = budget
-            if kv.blocks_to_admit(hits, num_new) > kv.num_free_blocks:
-                break
+            hits, num_new = admission
             waiting.pop(0)
             kv.admit(req, hits)
             ok = kv.allocate_slots(req, num_new, cows)
             assert ok
             if kv.cache is not None:
                 self._prefix_queries += len(req.token_ids)
-                self._prefix_hits += num_hit
+                self._prefix_hits += len(hits) * bs
             if req.num_cached_prompt_tokens < 0:
-                req.num_cached_prompt_tokens = min(num_hit, req.prompt_len)
+                req.num_cached_prompt_tokens = min(len(hits) * bs, req.prompt_len)
             req.status = RequestStatus.RUNNING
-            self._num_reserved_seqs += req.num_forks_pending
+            self._num_reserved_seqs += len(req.pending_forks)
             bisect.insort(running, req, key=_sort_key)
             if num_new > 0:
                 budget -= num_new
@@ -269,6 +357,26 @@ class Scheduler:
         self._preempted = []
         return out
 
+    def _admission(self, req: Request, budget: int) -> tuple[list[CacheNode], int] | None:
+        """(prefix-cache hits, tokens to compute now) if the waiting request can be admitted with
+        this token budget and the free blocks; None if it must wait. No side effect."""
+        cfg = self.config
+        if req.num_pending_tokens:
+            return None  # preempted with samples in flight: it comes back once they are in
+        if len(self.running) + self._num_reserved_seqs + 1 + len(req.pending_forks) > cfg.max_num_seqs:
+            return None
+        kv = self.kv
+        hits = kv.lookup(req)
+        end = req.prompt_len - 1 if req.pending_forks else len(req.token_ids)
+        num_new = end - len(hits) * cfg.block_size
+        if num_new > budget:
+            if not cfg.enable_chunked_prefill and num_new <= cfg.max_num_batched_tokens:
+                return None
+            num_new = budget
+        if kv.blocks_to_admit(hits, num_new) > kv.num_free_blocks:
+            return None
+        return hits, num_new
+
     def _schedule_tokens(
         self,
         req: Request,
@@ -287,34 +395,30 @@ class Scheduler:
         if end == len(req.token_ids) + req.num_pending_tokens:
             req.num_pending_tokens += 1
             sampled.append(req)
-        elif req.num_forks_pending and end == req.prompt_len - 1:
+        elif req.pending_forks and end == req.prompt_len - 1:
             self._to_fork.append(req)
         if req.cache_node is not None and min(end, len(req.token_ids)) // bs > req.num_cached_blocks:
             self.kv.cache_full_blocks(req)
 
     def _fork_ready_parents(self) -> None:
         for parent in self._to_fork:
-            if (
-                parent.status is not RequestStatus.RUNNING
-                or not parent.num_forks_pending
-                or parent.num_computed_tokens != parent.prompt_len - 1
-            ):
+            if not _ready_to_fork(parent):
                 continue  # aborted, or preempted (it is queued again when it gets back there)
             group = self._requests[parent.request_id]
-            for index in range(1, parent.num_forks_pending + 1):
+            for index in parent.pending_forks:
                 child = parent.fork(index)
                 self.kv.fork(parent, child)
                 bisect.insort(self.running, child, key=_sort_key)
                 group.append(child)
-            self._num_reserved_seqs -= parent.num_forks_pending
-            parent.num_forks_pending = 0
+            self._num_reserved_seqs -= len(parent.pending_forks)
+            parent.pending_forks = []
         self._to_fork.clear()
 
     def _preempt(self, req: Request) -> None:
         assert req.status is RequestStatus.RUNNING
         self.kv.free(req)
         req.status = RequestStatus.WAITING
-        self._num_reserved_seqs -= req.num_forks_pending
+        self._num_reserved_seqs -= len(req.pending_forks)
         self._num_preemptions += 1
         self._preempted.append(req)
         bisect.insort(self.waiting, req, key=_sort_key)
@@ -323,7 +427,7 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self.kv.free(req)
-            self._num_reserved_seqs -= req.num_forks_pending
+            self._num_reserved_seqs -= len(req.pending_forks)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
@@ -333,8 +437,8 @@ class Scheduler:
         if not group:
             del self._requests[req.request_id]
         self._finished.append(req)
-        self._finished_by_reason[_FINISH_NAMES[reason]] += 1 + req.num_forks_pending
-        req.num_forks_pending = 0
+        self._finished_by_reason[_FINISH_NAMES[reason]] += 1 + len(req.pending_forks)
+        req.pending_forks = []
 
     # ------------------------------------------------------------------ results
 
@@ -345,15 +449,18 @@ class Scheduler:
         assert len(token_ids) == len(out.sampled), "sampled tokens do not match the plan"
         offsets = _top_offsets(result) if len(result.sampled_logprobs) else None
         block_size = self.config.block_size
+        finished = RequestStatus.FINISHED
         outputs = []
+        append = outputs.append
         for i, req in enumerate(out.sampled):
             req.num_pending_tokens -= 1
             assert req.num_pending_tokens >= 0
-            if req.status is RequestStatus.FINISHED:
+            if req.status is finished:
                 continue  # sampled in a step already in flight when it finished or was aborted
             token = token_ids[i]
-            req.token_ids.append(token)
-            self._generation_tokens += 1
+            tokens = req.token_ids
+            tokens.append(token)
+            num_known = len(tokens)
             logprobs = None
             if offsets is not None and req.wants_logprobs:
                 logprobs = [_token_logprob(result, i, offsets[i], token)]
@@ -361,10 +468,17 @@ class Scheduler:
             if reason:
                 self._finish(req, reason)
             elif req.cache_node is not None and (
-                min(req.num_computed_tokens, len(req.token_ids)) // block_size > req.num_cached_blocks
+                min(req.num_computed_tokens, num_known) // block_size > req.num_cached_blocks
             ):
                 self.kv.cache_full_blocks(req)
-            outputs.append(self._output(req, [token], logprobs))
+            # NOTE: positional and inline (the hot path); num_cached_prompt_tokens is set: it sampled.
+            append(
+                RequestOutput(
+                    req.request_id, req.index, [token], logprobs, reason, req.stop_token_id,
+                    req.prompt_len, num_known - req.prompt_len, req.num_cached_prompt_tokens,
+                )
+            )  # fmt: skip
+        self._generation_tokens += len(outputs)
         return outputs
 
     @staticmethod
@@ -406,6 +520,28 @@ class Scheduler:
 
 def _sort_key(req: Request) -> tuple[int, int, int]:
     return req.sort_key
+
+
+def _num_tokens_to_compute(req: Request) -> int:
+    """Tokens a running request would compute now, budget and blocks permitting (as schedule())."""
+    if req.pending_forks:
+        return req.prompt_len - 1 - req.num_computed_tokens
+    if not req.can_sample():
+        return 0  # its last samples are in flight
+    return req.num_tokens - req.num_computed_tokens
+
+
+def _ready_to_fork(parent: Request) -> bool:
+    return (
+        parent.status is RequestStatus.RUNNING
+        and bool(parent.pending_forks)
+        and parent.num_computed_tokens == parent.prompt_len - 1
+    )
+
+
+def _taken_indices(group: list[Request]) -> set[int]:
+    """Sequence indices of a request that are live or still to fork."""
+    return {i for req in group for i in (req.index, *req.pending_forks)}
 
 
 def _top_offsets(result: worker_pb2.StepResult) -> list[int]:

@@ -5,8 +5,10 @@ tables, refuses a broken plan whole (PlanError, state untouched), and simulates 
 cache position holds a fingerprint of the token written there AND of every token before it (a rolling
 hash), which is what real K/V depend on. Before computing, it checks that every position each
 scheduled token attends to holds the fingerprint of the right prefix: a strong end-to-end check of
-block tables, copy-on-write and prefix reuse. Samples are a hash of (seed, context), so a request
-recomputed after preemption samples the same tokens.
+block tables, copy-on-write and prefix reuse. Samples are a hash of (seed, output position, context),
+like the real sampler's seeded draws (position k of the output depends on (seed, k)): a request
+recomputed after preemption samples the same tokens, and one whose outputs were wrongly turned into
+prompt would not.
 
 Driver runs a Scheduler + PlanBuilder + FakeWorker loop, optionally pipelined.
 """
@@ -33,8 +35,9 @@ def fingerprint(prev: int, token: int) -> int:
     return hash((prev, token))
 
 
-def sample(seed: int, context_fingerprint: int, vocab_size: int = VOCAB_SIZE) -> int:
-    return hash((seed, context_fingerprint, 0x5EED)) % vocab_size
+def sample(seed: int, position: int, context_fingerprint: int, vocab_size: int = VOCAB_SIZE) -> int:
+    """The token drawn at output position `position` (0-based) after that context."""
+    return hash((seed, position, context_fingerprint, 0x5EED)) % vocab_size
 
 
 def expected_tokens(prompt: list[int], seed: int, n: int, vocab_size: int = VOCAB_SIZE) -> list[int]:
@@ -43,8 +46,8 @@ def expected_tokens(prompt: list[int], seed: int, n: int, vocab_size: int = VOCA
     for t in prompt:
         fp = fingerprint(fp, t)
     out = []
-    for _ in range(n):
-        t = sample(seed, fp, vocab_size)
+    for k in range(n):
+        t = sample(seed, k, fp, vocab_size)
         out.append(t)
         fp = fingerprint(fp, t)
     return out
@@ -161,7 +164,8 @@ class FakeWorker:
             slot.num_computed += k
             self._check_attention(s, slot)
             if slot.num_computed == len(slot.tokens):
-                token = sample(slot.seed, slot.fingerprints[-1], self.vocab_size)
+                position = len(slot.tokens) - slot.prompt_len
+                token = sample(slot.seed, position, slot.fingerprints[-1], self.vocab_size)
                 slot.tokens.append(token)
                 slot.extend_fingerprints()
                 result.sampled_slots.append(s)

@@ -10,6 +10,7 @@ import math
 import sys
 import types
 
+import pagedserve.kernels
 import pytest
 import torch
 from pagedserve.kernels import _load_cuda_ops, get_ops, reference
@@ -317,6 +318,9 @@ def fake_cuda(monkeypatch):
     """A CUDA device as torch would report it, and a stand-in cuda_ops module."""
     module = types.ModuleType("pagedserve.kernels.cuda_ops")
     monkeypatch.setitem(sys.modules, "pagedserve.kernels.cuda_ops", module)
+    # `from pagedserve.kernels import cuda_ops` takes the package attribute once the real module
+    # was imported (by another test), so replace that too.
+    monkeypatch.setattr(pagedserve.kernels, "cuda_ops", module, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     _load_cuda_ops.cache_clear()
     yield module

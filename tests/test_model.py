@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from pagedserve.model_files import load_generation_info, load_tokenizer, resolve_model
+from pagedserve.model_files import load_generation_info, load_tokenizer
 
 VOCAB = 256
 TINY = dict(
@@ -249,13 +248,6 @@ def test_parse_dtype():
 
 
 # --- the default model ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def default_model_dir(request) -> Path:
-    # Converted once and kept in the pytest cache (or $PAGEDSERVE_CACHE_DIR), so reruns skip the ~20 s.
-    cache = os.environ.get("PAGEDSERVE_CACHE_DIR") or request.config.cache.mkdir("pagedserve_models")
-    return resolve_model(None, cache_dir=cache)
 
 
 def _greedy(model: CausalLM, prompts: list[list[int]], steps: int, block_size: int = 16) -> list[list[int]]:

@@ -23,12 +23,6 @@ from pagedserve.model_files import (
 )
 
 
-@pytest.fixture(scope="session")
-def default_model_dir() -> Path:
-    # The same cache every other test and `make serve` use, so the ~20 s conversion happens once.
-    return resolve_model(None)
-
-
 @pytest.mark.slow
 def test_default_model_converts_to_safetensors_config_and_tokenizer_with_chat_template(default_model_dir):
     config = json.loads((default_model_dir / "config.json").read_text())

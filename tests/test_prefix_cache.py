@@ -126,8 +126,8 @@ def test_same_step_request_shares_blocks_scheduled_before_it():
     s = _scheduler()
     d = Driver(s, check=lambda: check_invariants(s))
     prompt = list(range(40, 49))
-    s.add_request(make_request("a", prompt, max_tokens=4))
-    s.add_request(make_request("b", prompt, max_tokens=4))
+    s.add_request(make_request("a", prompt, max_tokens=4, eos=None))
+    s.add_request(make_request("b", prompt, max_tokens=4, eos=None))
     out = d.step()
     assert out.num_scheduled_tokens == [9, 1]
     a, b = s.running

@@ -3,7 +3,7 @@ from pagedserve.proto import common_pb2
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.request import RequestStatus
 from pagedserve.scheduler_svc.scheduler import Scheduler
-from scheduler_fakes import EOS, Driver, check_invariants, expected_tokens, make_request
+from scheduler_fakes import EOS, Driver, SeqLog, check_invariants, expected_tokens, make_request
 
 BS = 4
 STOP, LENGTH, ABORT = (
@@ -314,13 +314,11 @@ def test_fork_needs_no_copy_when_the_last_prompt_token_starts_a_block():
     assert all(not p.copy_src_blocks for p in d.plans)
 
 
-def test_one_token_prompt_forks_with_no_blocks():
+def test_one_token_prompt_forks_at_admission_with_no_empty_step():
     s, d = _setup()
     s.add_request(make_request("a", [5], max_tokens=3, n=3, seed=4, eos=None))
     out = d.step()
-    assert out.scheduled == [] and len(s.running) == 1
-    out = d.step()
-    assert out.num_scheduled_tokens == [1, 1, 1]
+    assert out.step_id == 1 and out.num_scheduled_tokens == [1, 1, 1]
     assert [n.seed for n in (r.sampling for r in out.scheduled)] == [4, 5, 6]
     d.run()
     for i in range(3):
@@ -333,7 +331,7 @@ def test_fork_of_fully_cached_prefix_happens_at_admission():
     s.add_request(make_request("warm", prompt, max_tokens=1))
     d.run()
     s.add_request(make_request("a", prompt, max_tokens=2, n=2, seed=3, eos=None))
-    assert d.step().scheduled == []  # 8 tokens cached: nothing to compute before the fork
+    # 8 tokens cached: nothing to compute before the fork, which happens in the same step.
     assert d.step().num_scheduled_tokens == [1, 1]
     d.run()
     assert d.logs[("a", 1)].num_cached_tokens == 8
@@ -370,3 +368,172 @@ def test_stats_report_usage_preemptions_and_finish_reasons():
     assert stats.num_preemptions > 0 and stats.num_blocks_in_use == 0
     assert stats.requests_finished == {"stop": 0, "length": 2, "abort": 1}
     assert stats.generation_tokens >= 60 and stats.prompt_tokens >= 27
+
+
+# ---------------------------------------------------------------- has_work
+
+
+def _is_empty(out) -> bool:
+    return not (out.scheduled or out.finished or out.preempted)
+
+
+def test_has_work_says_whether_schedule_returns_a_non_empty_step():
+    s, d = _setup(num_blocks=12, max_num_seqs=2, max_model_len=48)
+    assert not s.has_work()
+    s.add_request(make_request("a", _prompt(9), max_tokens=3, eos=None))
+    s.add_request(make_request("b", _prompt(9, 5), max_tokens=30, eos=None))
+    s.add_request(make_request("c", _prompt(9, 7), max_tokens=3, eos=None))  # no batch place yet
+    seen_idle = False
+    while s.has_unfinished_requests() or d.in_flight or s.has_work():  # departures to report
+        if s.has_work():
+            assert not _is_empty(d.schedule())
+        else:
+            seen_idle = True
+            assert d.in_flight, "no work and nothing in flight: it would never finish"
+        if d.in_flight and (len(d.in_flight) >= 2 or not s.has_work()):
+            d.update()
+    assert not s.has_work() and seen_idle
+    assert s.stats().num_steps == len(d.plans)
+
+
+def test_empty_pipeline_round_does_not_burn_a_step_id():
+    s, d = _setup(lag=1)
+    s.add_request(make_request("a", _prompt(5), max_tokens=1, eos=None))
+    d.schedule()  # samples the only token: nothing more until its result is in
+    assert not s.has_work()
+    d.update()
+    assert s.has_work()  # the departure is reported in the next step
+    assert d.schedule().step_id == 2 and not s.has_work()
+
+
+# ---------------------------------------------------------------- carrying on with outputs
+
+
+def test_request_with_output_tokens_continues_like_an_uninterrupted_seeded_run():
+    prompt = _prompt(10)
+    reference = expected_tokens(prompt, 7, 20)
+    s, d = _setup()
+    streamed = reference[:6]
+    req = make_request("a", prompt, max_tokens=20, min_tokens=8, eos=None, seed=7, temperature=1.0)
+    req.token_ids = prompt + streamed
+    s.add_request(req)
+    d.logs[("a", 0)] = SeqLog(tokens=list(streamed))  # what the client has seen
+    d.run()
+    (new,) = d.plans[0].new_requests
+    assert list(new.token_ids) == prompt + streamed and new.prompt_len == 10
+    log = d.logs[("a", 0)]
+    assert log.tokens == reference  # nothing re-sent, nothing lost, same draws
+    assert log.finish_reason == LENGTH and req.num_output_tokens == 20
+
+
+def test_request_with_output_tokens_is_one_sequence_with_room_left():
+    s, _ = _setup()
+    req = make_request("a", _prompt(4), max_tokens=3, n=2)
+    req.token_ids += [9]
+    with pytest.raises(ValueError):
+        s.add_request(req)
+    req = make_request("a", _prompt(4), max_tokens=3)
+    req.token_ids += [9, 9, 9]
+    with pytest.raises(ValueError):
+        s.add_request(req)
+
+
+def test_failover_resumes_each_sequence_with_its_index_and_child_seed():
+    # The engine's failover path (RequestStream.core_requests) on a fresh core: each unfinished
+    # sequence carries on after what its client has seen and ends exactly as an uninterrupted run.
+    from pagedserve.proto import engine_pb2
+    from pagedserve.scheduler_svc.engine import RequestStream
+
+    prompt = _prompt(10)
+    msg = engine_pb2.EngineGenerateRequest(
+        request_id="a",
+        prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(n=3, seed=7, temperature=1.0, max_tokens=12, ignore_eos=True),
+    )
+    stream = RequestStream(msg)
+    refs = [expected_tokens(prompt, 7 + i, 12) for i in range(3)]
+    stream.sequences[0].token_ids = refs[0][:5]
+    stream.sequences[1].token_ids = refs[1][:12]
+    stream.sequences[1].finish_reason = LENGTH
+    # Sequence 2 had streamed nothing yet.
+    s, d = _setup()
+    requests = stream.core_requests(frozenset({EOS}))
+    assert [(r.index, r.sampling.seed, r.num_output_tokens) for r in requests] == [(0, 7, 5), (2, 9, 0)]
+    for r in requests:
+        s.add_request(r)
+    d.logs[("a", 0)] = SeqLog(tokens=refs[0][:5])
+    d.run()
+    assert d.logs[("a", 0)].tokens == refs[0]
+    assert d.logs[("a", 2)].tokens == refs[2]
+    assert ("a", 1) not in d.logs
+
+
+# ---------------------------------------------------------------- per-sequence abort
+
+
+def test_abort_of_one_sequence_frees_its_own_blocks_and_siblings_continue():
+    s, d = _setup()
+    prompt = _prompt(9)  # two full blocks shared by every sequence after the fork
+    s.add_request(make_request("a", prompt, max_tokens=12, n=3, seed=2, eos=None))
+    for _ in range(6):
+        d.step()
+    seqs = {r.index: r for r in s.running}
+    shared = seqs[0].block_table[:2]
+    own = [b for b in seqs[1].block_table if b not in shared]
+    assert all(s.kv.pool.ref_counts[b] == 3 for b in shared) and own
+    used = s.kv.pool.num_used_blocks
+    (out,) = s.abort_request("a", 1)
+    assert out.index == 1 and out.finish_reason == ABORT
+    assert all(s.kv.pool.ref_counts[b] == 0 for b in own)
+    assert all(s.kv.pool.ref_counts[b] == 2 for b in shared)
+    assert s.kv.pool.num_used_blocks == used - len(own)
+    assert s.abort_request("a", 1) == []
+    slot = d.builder.slot_of(seqs[1])
+    d.step()
+    assert list(d.plans[-1].finished_slots) == [slot]
+    d.run()
+    for i in (0, 2):
+        assert d.logs[("a", i)].tokens == expected_tokens(prompt, 2 + i, 12)
+
+
+def test_abort_of_a_sequence_not_forked_yet_forks_the_others_only():
+    s, d = _setup(max_num_batched_tokens=8, max_num_seqs=3)
+    prompt = _prompt(20)
+    s.add_request(make_request("a", prompt, max_tokens=4, n=3, seed=5, eos=None))
+    d.step()  # a prefill chunk: no fork yet
+    assert [o.index for o in s.abort_request("a", 2)] == [2]
+    d.run()
+    assert set(d.logs) == {("a", 0), ("a", 1)} and s.stats().requests_finished["abort"] == 1
+    assert d.logs[("a", 1)].tokens == expected_tokens(prompt, 6, 4)
+
+
+def test_abort_of_the_first_sequence_before_the_fork_hands_its_progress_to_a_sibling():
+    s, d = _setup(max_num_batched_tokens=8, max_num_seqs=3)
+    prompt = _prompt(20)
+    s.add_request(make_request("a", prompt, max_tokens=4, n=3, seed=5, eos=None))
+    d.step()
+    computed = s.running[0].num_computed_tokens
+    assert [o.index for o in s.abort_request("a", 0)] == [0]
+    (heir,) = s.running
+    assert heir.index == 1 and heir.num_computed_tokens == computed and heir.pending_forks == [2]
+    d.run()
+    for i in (1, 2):
+        assert d.logs[("a", i)].tokens == expected_tokens(prompt, 5 + i, 4)
+    assert s.stats().requests_finished == {"stop": 0, "length": 2, "abort": 1}
+
+
+# ---------------------------------------------------------------- prompt logprobs
+
+
+def test_prompt_logprobs_request_computes_its_whole_prompt_despite_a_prefix_hit():
+    s, d = _setup()
+    prompt = _prompt(13)
+    s.add_request(make_request("warm", prompt, max_tokens=1))
+    d.run()
+    s.add_request(make_request("plain", prompt, max_tokens=1))
+    s.add_request(make_request("scored", prompt, max_tokens=1, prompt_logprobs=0))
+    d.run()
+    new = {n.request_id: n for p in d.plans for n in p.new_requests}
+    assert new["plain"].num_computed_tokens == 12
+    assert new["scored"].num_computed_tokens == 0
+    assert d.logs[("scored", 0)].num_cached_tokens == 0

@@ -1,5 +1,6 @@
-"""Random interleavings of add, step (pipelined), fork, finish, abort, preemption and eviction,
-with every block-accounting invariant checked after every operation (see check_invariants)."""
+"""Random interleavings of add, step (pipelined), fork, finish, abort (of a request or of one of its
+sequences), preemption and eviction, with every block-accounting invariant checked after every
+operation (see check_invariants), and has_work() checked against what schedule() returns."""
 
 from collections import deque
 
@@ -71,7 +72,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def schedule(self):
         """Schedule (and execute) without taking the result: pipelining up to depth 3."""
-        self.d.schedule()
+        has_work = self.s.has_work()
+        out = self.d.schedule()
+        assert has_work == bool(out.scheduled or out.finished or out.preempted)
 
     @precondition(lambda self: self.s is not None and self.d.in_flight)
     @rule()
@@ -79,11 +82,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.d.update()
 
     @precondition(lambda self: self.s is not None)
-    @rule(pick=st.integers(0, 50))
-    def abort(self, pick):
+    @rule(pick=st.integers(0, 50), index=st.one_of(st.none(), st.integers(0, 2)))
+    def abort(self, pick, index):
+        """Abort a whole request, or one of its sequences (forked or not yet)."""
         live = sorted(self.s._requests)
         if live:
-            self.d.abort(live[pick % len(live)])
+            self.d.record(self.s.abort_request(live[pick % len(live)], index))
 
     @precondition(lambda self: self.s is not None)
     @rule()

@@ -1,0 +1,97 @@
+"""Async client of the scheduler's Engine service (grpc.aio): generate, abort, stats, info.
+
+Leaving a `generate` stream early (the consumer stops, or its task is cancelled because the client
+went away) cancels the call and sends an explicit Abort, so the request's blocks are freed within a
+step even if the cancellation is lost on the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+from opentelemetry.context import Context
+from pagedserve.proto import engine_pb2, engine_pb2_grpc
+
+from pagedserve.errors import from_grpc_error
+from pagedserve.grpc_utils import CHANNEL_OPTIONS
+from pagedserve.logging import get_logger
+from pagedserve.tracing import inject_metadata
+
+log = get_logger(__name__)
+
+INFO_TIMEOUT_S = 5.0
+ABORT_TIMEOUT_S = 5.0
+
+
+class EngineClient:
+    def __init__(self, address: str):
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = engine_pb2_grpc.EngineStub(self._channel)
+        self._background: set[asyncio.Task] = set()  # aborts in flight, kept referenced until done
+        self._sync_channel: grpc.Channel | None = None
+
+    async def generate(
+        self, request: engine_pb2.EngineGenerateRequest, trace_context: Context | None = None
+    ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+        call = self._stub.Generate(request, metadata=inject_metadata(trace_context))
+        finished = False
+        try:
+            async for response in call:
+                yield response
+            finished = True
+        except grpc.aio.AioRpcError as error:
+            finished = True  # the engine ended the call itself: nothing to abort
+            raise from_grpc_error(error) from None
+        finally:
+            if not finished:
+                call.cancel()
+                self.abort_soon(request.request_id)
+
+    def abort_soon(self, request_id: str, index: int | None = None) -> None:
+        """Abort in the background (safe to call while the caller is being cancelled)."""
+        task = asyncio.get_running_loop().create_task(self.abort(request_id, index))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Abort sequence `index` of the request (the others go on), or all of it when None."""
+        try:
+            response = await self._stub.Abort(
+                engine_pb2.AbortRequest(request_id=request_id, index=index), timeout=ABORT_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as error:
+            log.warning("abort failed", request_id=request_id, error=error.details())
+            return False
+        return response.aborted
+
+    async def stats(self) -> engine_pb2.EngineStats:
+        try:
+            return await self._stub.Stats(engine_pb2.StatsRequest(), timeout=INFO_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            raise from_grpc_error(error) from None
+
+    async def info(self, timeout: float = INFO_TIMEOUT_S) -> engine_pb2.EngineInfo:
+        try:
+            return await self._stub.GetEngineInfo(engine_pb2.EngineInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as error:
+            raise from_grpc_error(error) from None
+
+    def stats_sync(self, timeout: float = INFO_TIMEOUT_S) -> engine_pb2.EngineStats:
+        """Blocking Stats, for prometheus_client's collectors (run in a thread, never on the loop)."""
+        if self._sync_channel is None:
+            self._sync_channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        stub = engine_pb2_grpc.EngineStub(self._sync_channel)
+        try:
+            return stub.Stats(engine_pb2.StatsRequest(), timeout=timeout)
+        except grpc.RpcError as error:
+            raise from_grpc_error(error) from None
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=ABORT_TIMEOUT_S)
+        await self._channel.close()
+        if self._sync_channel is not None:
+            self._sync_channel.close()

@@ -1,0 +1,384 @@
+"""The core both public APIs share: prompts as token ids in, per-choice text deltas out.
+
+One engine request per prompt (its n sequences are forked by the engine), so a list of prompts runs
+concurrently; choice indices are prompt_index * n + j, as in OpenAI and vLLM. Text is made here:
+incremental detokenization, then stop strings. A sequence that hits a stop string is finished at once
+and aborted at the engine on its own (its siblings go on); when every sequence of a request is
+finished the request is aborted at the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from pagedserve.proto import common_pb2, engine_pb2
+
+from pagedserve.errors import InvalidRequestError, ModelNotFoundError, UnavailableError
+from pagedserve.logging import get_logger
+
+from .engine_client import EngineClient
+from .tokenization import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+log = get_logger(__name__)
+tracer = trace.get_tracer(__name__)
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+# How long to wait, after aborting a request whose sequences all hit stop strings, for the engine's
+# last message (it carries the cached-prompt-token count). A step is far shorter.
+DRAIN_TIMEOUT_S = 0.25
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    name: str  # the name clients pass as `model`
+    max_model_len: int  # context length in tokens (the engine's value once it has been asked)
+    eos_token_ids: tuple[int, ...]  # tokens that end a sequence unless ignore_eos
+    created: int = field(default_factory=lambda: int(time.time()))  # Unix time the gateway started
+
+
+@dataclass(slots=True)
+class Prompt:
+    token_ids: list[int]  # what the engine gets
+    text: str | None = None  # the prompt as text (given or rendered), for echo; None: decode token_ids
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str  # the client-visible id; engine request ids derive from it per prompt
+    prompts: list[Prompt]  # one engine request each
+    sampling: list[common_pb2.SamplingParams]  # per prompt: validated, max_tokens filled in
+    cache_salt: str = ""  # prefix-cache partition
+    priority: int = 0  # lower runs first
+    trace_context: Context | None = None  # parent of the request's span (from the caller's metadata)
+
+    @property
+    def n(self) -> int:
+        return self.sampling[0].n or 1
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    index: int  # choice index: prompt_index * n + sequence index
+    prompt_index: int  # which prompt it continues
+    text: str  # new text (stop strings applied)
+    token_ids: list[int]  # new token ids (all of them, including a stop token)
+    logprobs: list[common_pb2.TokenLogprob]  # parallel to token_ids when logprobs were requested
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the choice's last delta
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    prompt_logprobs: list[common_pb2.TokenLogprob] | None = None  # on a choice's first delta, if asked
+
+
+@dataclass(slots=True)
+class UsageInfo:
+    prompt_tokens: int = 0  # over all prompts
+    completion_tokens: int = 0  # over all choices, up to their stop
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache (when the engine reported it)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class _Choice:
+    """One sequence's text state: detokenizer, stop strings, counts."""
+
+    __slots__ = ("detok", "done", "engine_done", "index", "num_tokens", "sent_prompt_logprobs", "stopper")
+
+    def __init__(self, index: int, detok: IncrementalDetokenizer, stopper: StopStringMatcher):
+        self.index = index
+        self.detok = detok
+        self.stopper = stopper
+        self.num_tokens = 0
+        self.done = False  # finished for the client
+        self.engine_done = False  # finished at the engine
+        self.sent_prompt_logprobs = False
+
+
+class GenerationCore:
+    def __init__(self, engine: EngineClient | None, tokenizer: Tokenizer, model: ModelInfo):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model = model
+
+    # ---- building a request: every check happens here, before anything is sent ----
+
+    def check_model(self, name: str | None) -> None:
+        if name and name != self.model.name:
+            raise ModelNotFoundError(name)
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty: it needs at least one token", param)
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is out of the vocabulary (0..{vocab - 1})", param)
+
+    def sampling_for_prompt(
+        self, sp: common_pb2.SamplingParams, prompt_len: int, param: str, max_tokens_param: str = "max_tokens"
+    ) -> common_pb2.SamplingParams:
+        """A copy of sp for one prompt, max_tokens defaulting to what the context has left."""
+        limit = self.model.max_model_len
+        if prompt_len >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"{prompt_len} input tokens. Please reduce the length of the input.",
+                param,
+            )
+        for token_id in sp.logit_bias:
+            if token_id >= self.tokenizer.vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias token id {token_id} is out of the vocabulary", "logit_bias"
+                )
+        out = common_pb2.SamplingParams()
+        out.CopyFrom(sp)
+        if not out.HasField("max_tokens"):
+            out.max_tokens = limit - prompt_len
+        elif prompt_len + out.max_tokens > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + out.max_tokens} tokens ({prompt_len} in the input, {out.max_tokens} in the "
+                f"completion). Please reduce the length of the input or completion.",
+                max_tokens_param,
+            )
+        return out
+
+    def build(
+        self,
+        prompts: list[Prompt],
+        sp: common_pb2.SamplingParams,
+        *,
+        request_id: str,
+        param: str = "prompt",
+        max_tokens_param: str = "max_tokens",
+        cache_salt: str = "",
+        priority: int = 0,
+        trace_context: Context | None = None,
+    ) -> GenerationRequest:
+        for prompt in prompts:
+            self.check_token_ids(prompt.token_ids, param)
+        sampling = [self.sampling_for_prompt(sp, len(p.token_ids), param, max_tokens_param) for p in prompts]
+        return GenerationRequest(request_id, prompts, sampling, cache_salt, priority, trace_context)
+
+    # ---- running it ----
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[ChoiceDelta | UsageInfo]:
+        """Choice deltas as they come, then one UsageInfo (the last item)."""
+        if self.engine is None:
+            raise UnavailableError("no engine is connected")
+        span = tracer.start_span(
+            "pagedserve.gateway.generate",
+            context=req.trace_context,
+            attributes={"pagedserve.request_id": req.request_id, "pagedserve.num_prompts": len(req.prompts)},
+        )
+        ctx = trace.set_span_in_context(span, req.trace_context)
+        usage = UsageInfo()
+        start = time.perf_counter()
+        reasons: dict[str, int] = {}
+        try:
+            async for item in self._merged(req, ctx):
+                if isinstance(item, UsageInfo):
+                    usage.prompt_tokens += item.prompt_tokens
+                    usage.completion_tokens += item.completion_tokens
+                    usage.cached_tokens += item.cached_tokens
+                    continue
+                if item.finish_reason is not None:
+                    reasons[item.finish_reason] = reasons.get(item.finish_reason, 0) + 1
+                yield item
+            span.set_attribute("pagedserve.completion_tokens", usage.completion_tokens)
+            log.info(
+                "request finished",
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                cached_tokens=usage.cached_tokens,
+                finish_reasons=reasons,
+                seconds=round(time.perf_counter() - start, 4),
+            )
+            yield usage
+        except BaseException as error:
+            span.record_exception(error)
+            if isinstance(error, asyncio.CancelledError | GeneratorExit):
+                log.info("request cancelled", seconds=round(time.perf_counter() - start, 4))
+            raise
+        finally:
+            span.end()
+
+    async def _merged(self, req: GenerationRequest, ctx: Context) -> AsyncIterator[ChoiceDelta | UsageInfo]:
+        if len(req.prompts) == 1:
+            async for item in self._run_prompt(req, 0, ctx):
+                yield item
+            return
+        # Several prompts: one task each, merged through a queue.
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int) -> None:
+            try:
+                async for item in self._run_prompt(req, i, ctx):
+                    queue.put_nowait(item)
+                queue.put_nowait(done)
+            except Exception as error:
+                queue.put_nowait(error)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(req.prompts))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_prompt(
+        self, req: GenerationRequest, prompt_index: int, ctx: Context
+    ) -> AsyncIterator[ChoiceDelta | UsageInfo]:
+        assert self.engine is not None
+        prompt, sp = req.prompts[prompt_index], req.sampling[prompt_index]
+        n = sp.n or 1
+        engine_id = req.request_id if len(req.prompts) == 1 else f"{req.request_id}-{prompt_index}"
+        engine_sp = common_pb2.SamplingParams()
+        engine_sp.CopyFrom(sp)
+        del engine_sp.stop[:]  # stop strings are the gateway's business
+        request = engine_pb2.EngineGenerateRequest(
+            request_id=engine_id,
+            prompt_token_ids=prompt.token_ids,
+            sampling=engine_sp,
+            cache_salt=req.cache_salt,
+            priority=req.priority,
+        )
+        skip_special = sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True
+        choices = [
+            _Choice(
+                prompt_index * n + j,
+                IncrementalDetokenizer(self.tokenizer, prompt.token_ids, skip_special),
+                StopStringMatcher(sp.stop, sp.include_stop_str_in_output),
+            )
+            for j in range(n)
+        ]
+        stop_ids = set(sp.stop_token_ids) | set(self.model.eos_token_ids)
+        prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
+        cached_tokens, usage_seen = 0, False
+        stream = self.engine.generate(request, ctx)
+        try:
+            async for msg in stream:
+                if msg.prompt_logprobs:
+                    prompt_logprobs = list(msg.prompt_logprobs)
+                if msg.HasField("usage"):
+                    cached_tokens, usage_seen = msg.usage.cached_prompt_tokens, True
+                if msg.index >= n:
+                    raise UnavailableError(f"the engine sent sequence {msg.index} of a request with n={n}")
+                choice = choices[msg.index]
+                choice.engine_done = msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                if not choice.done:
+                    delta = self._consume(choice, msg, sp, stop_ids)
+                    if not choice.sent_prompt_logprobs and prompt_logprobs is not None:
+                        delta.prompt_logprobs = prompt_logprobs
+                        choice.sent_prompt_logprobs = True
+                    if delta.text or delta.token_ids or delta.finish_reason:
+                        yield delta
+                    if choice.done and not choice.engine_done and not all(c.done for c in choices):
+                        # A stop string ended this sequence only: abort just it, so its blocks are
+                        # freed now while its siblings go on.
+                        self.engine.abort_soon(engine_id, msg.index)
+                if all(c.done for c in choices):
+                    break
+            for choice in choices:  # the stream ended without finishing them: the engine gave up
+                if not choice.done:
+                    choice.done = True
+                    yield ChoiceDelta(choice.index, prompt_index, choice.stopper.flush(), [], [], "abort")
+            if not all(c.engine_done for c in choices):
+                # Every sequence hit a stop string: free the engine's blocks now, then give its last
+                # message (with the cached-token count) a moment to arrive.
+                await self.engine.abort(engine_id)
+                cached_tokens = await _drain_usage(stream, cached_tokens)
+            else:
+                # Read the stream to its end (the engine closes it right after the last message) so that
+                # closing it below does not count as a client abort.
+                cached_tokens = await _drain_usage(stream, cached_tokens) if not usage_seen else cached_tokens
+                await _drain_usage(stream, cached_tokens)
+        finally:
+            await stream.aclose()
+        yield UsageInfo(len(prompt.token_ids), sum(c.num_tokens for c in choices), cached_tokens)
+
+    def _consume(
+        self, choice: _Choice, msg: engine_pb2.EngineGenerateResponse, sp: common_pb2.SamplingParams, stop_ids
+    ) -> ChoiceDelta:
+        finish = FINISH_REASONS.get(msg.finish_reason)
+        token_ids = list(msg.token_ids)
+        # NOTE: like vLLM, the text of the token that stopped the sequence (EOS, a stop token id) is not
+        # shown unless include_stop_str_in_output; the token itself is counted and returned.
+        hide_last = (
+            finish == "stop"
+            and bool(token_ids)
+            and token_ids[-1] in stop_ids
+            and not sp.include_stop_str_in_output
+        )
+        pieces: list[str] = []
+        stop_reason: str | int | None = None
+        used = 0
+        for k, token_id in enumerate(token_ids):
+            used = k + 1
+            if hide_last and k == len(token_ids) - 1:
+                break
+            text, matched = choice.stopper.add(choice.detok.add(token_id))
+            pieces.append(text)
+            if matched is not None:
+                finish, stop_reason = "stop", matched
+                break
+        choice.num_tokens += used
+        if finish is not None and stop_reason is None:
+            text, matched = choice.stopper.add(choice.detok.flush())
+            pieces.append(text)
+            if matched is not None:
+                finish, stop_reason = "stop", matched
+            else:
+                pieces.append(choice.stopper.flush())
+                if msg.HasField("stop_token_id") and msg.stop_token_id in sp.stop_token_ids:
+                    stop_reason = msg.stop_token_id
+        if finish is not None:
+            choice.done = True
+        logprobs = list(msg.logprobs[:used]) if msg.logprobs else []
+        return ChoiceDelta(
+            choice.index,
+            choice.index // (sp.n or 1),
+            "".join(pieces),
+            token_ids[:used],
+            logprobs,
+            finish,
+            stop_reason,
+        )
+
+
+async def _drain_usage(stream: AsyncIterator[engine_pb2.EngineGenerateResponse], cached_tokens: int) -> int:
+    async def drain() -> int:
+        found = cached_tokens
+        async for msg in stream:
+            if msg.HasField("usage"):
+                found = msg.usage.cached_prompt_tokens
+        return found
+
+    try:
+        return await asyncio.wait_for(drain(), DRAIN_TIMEOUT_S)
+    except (asyncio.TimeoutError, Exception):
+        return cached_tokens

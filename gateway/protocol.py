@@ -1,0 +1,291 @@
+"""The OpenAI API's request schema (plus vLLM's extra sampling fields) and its mapping to SamplingParams.
+
+Unknown fields are ignored, as vLLM and OpenAI do. Types are checked by pydantic; value ranges by
+`check_sampling_params`, which the gRPC API shares, so both APIs refuse the same requests with the
+same messages. Responses are plain dicts built in openai_api.py (cheaper to serialize per token).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pagedserve.proto import common_pb2
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pagedserve.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+_UINT64_MASK = (1 << 64) - 1
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields both OpenAI endpoints share (vLLM's extensions included)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM extensions: scheduling priority (lower first), prefix-cache partition, caller's request id.
+    priority: int = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
+        for token_id in self.stop_token_ids or []:
+            _checked_uint(token_id, "stop_token_ids")
+        if self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be non-negative, got {self.min_tokens}", "min_tokens")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
+        if self.top_k is not None and self.top_k < -1:
+            raise InvalidRequestError(
+                f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}", "top_k"
+            )
+        sp = common_pb2.SamplingParams(
+            top_k=0 if self.top_k is None or self.top_k == -1 else self.top_k,
+            min_p=self.min_p or 0.0,
+            stop=[self.stop] if isinstance(self.stop, str) else (self.stop or []),
+            stop_token_ids=self.stop_token_ids or [],
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            n=self.n,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        if max_tokens is not None:
+            sp.max_tokens = _checked_uint(max_tokens, "max_tokens")
+        if self.temperature is not None:
+            sp.temperature = self.temperature
+        if self.top_p is not None:
+            sp.top_p = self.top_p
+        if self.seed is not None:
+            sp.seed = self.seed & _UINT64_MASK
+        if self.repetition_penalty is not None:
+            sp.repetition_penalty = self.repetition_penalty
+        if logprobs is not None:
+            sp.logprobs = _checked_uint(logprobs, "logprobs")
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise InvalidRequestError(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+            sp.logit_bias[_checked_uint(token_id, "logit_bias")] = bias
+        return sp
+
+
+def _checked_uint(value: int, param: str) -> int:
+    if value < 0 or value >= 1 << 32:
+        raise InvalidRequestError(f"{param} must be a non-negative integer, got {value}", param)
+    return value
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any
+    # OpenAI's default for the legacy completions API (chat's default is the rest of the context).
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    # vLLM extension: log-probabilities of this many alternatives for each prompt token.
+    prompt_logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> str | list[str] | list[int] | list[list[int]]:
+        def is_ids(v: Any) -> bool:
+            return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value:
+            if all(isinstance(v, str) for v in value) or is_ids(value):
+                return value
+            if all(is_ids(v) for v in value):
+                return value
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be empty")
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of token id lists"
+        )
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts one by one: each is text or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    def sampling_params(self) -> common_pb2.SamplingParams:
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of is not supported; use n", "best_of")
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported", "suffix")
+        sp = self._sampling_params(self.max_tokens, self.logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs  # echo with logprobs shows the prompt's logprobs too
+        if prompt_logprobs is not None:
+            sp.prompt_logprobs = _checked_uint(prompt_logprobs, "prompt_logprobs")
+        check_sampling_params(sp)
+        return sp
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise InvalidRequestError(
+                    f"content parts of type {part.type!r} are not supported", "messages"
+                )
+            parts.append(part.text)
+        return "\n".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # vLLM extension: end the rendered prompt with the assistant's turn marker.
+    add_generation_prompt: bool = True
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [
+            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+            for m in self.messages
+        ]
+
+    def sampling_params(self) -> common_pb2.SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        sp = self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        names = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        check_sampling_params(sp, names)
+        return sp
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+def check_sampling_params(sp: common_pb2.SamplingParams, names: dict[str, str] | None = None) -> None:
+    """Refuse values outside the documented ranges (InvalidRequestError with the parameter's name)."""
+    names = names or {}
+
+    def fail(field: str, message: str) -> None:
+        param = names.get(field, field)
+        raise InvalidRequestError(f"{param} {message}", param)
+
+    if sp.HasField("max_tokens") and sp.max_tokens < 1:
+        fail("max_tokens", f"must be at least 1, got {sp.max_tokens}")
+    if sp.HasField("temperature") and not sp.temperature >= 0.0:
+        fail("temperature", f"must be non-negative, got {sp.temperature:g}")
+    if sp.HasField("top_p") and not 0.0 < sp.top_p <= 1.0:
+        fail("top_p", f"must be in (0, 1], got {sp.top_p:g}")
+    if sp.top_k < 0:
+        fail("top_k", f"must be -1 (disable), 0 (disable) or positive, got {sp.top_k}")
+    if not 0.0 <= sp.min_p <= 1.0:
+        fail("min_p", f"must be in [0, 1], got {sp.min_p:g}")
+    if not -2.0 <= sp.presence_penalty <= 2.0:
+        fail("presence_penalty", f"must be in [-2, 2], got {sp.presence_penalty:g}")
+    if not -2.0 <= sp.frequency_penalty <= 2.0:
+        fail("frequency_penalty", f"must be in [-2, 2], got {sp.frequency_penalty:g}")
+    if sp.HasField("repetition_penalty") and not sp.repetition_penalty > 0.0:
+        fail("repetition_penalty", f"must be positive, got {sp.repetition_penalty:g}")
+    if not 0 <= sp.n <= MAX_N:
+        fail("n", f"must be between 1 and {MAX_N}, got {sp.n}")
+    if sp.HasField("logprobs") and sp.logprobs > MAX_LOGPROBS:
+        fail("logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {sp.logprobs}")
+    if sp.HasField("prompt_logprobs") and sp.prompt_logprobs > MAX_LOGPROBS:
+        fail("prompt_logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {sp.prompt_logprobs}")
+    if sp.HasField("max_tokens") and sp.min_tokens > sp.max_tokens:
+        fail("min_tokens", f"must not exceed max_tokens ({sp.max_tokens}), got {sp.min_tokens}")
+    for token_id, bias in sp.logit_bias.items():
+        if not -100.0 <= bias <= 100.0:
+            fail("logit_bias", f"values must be in [-100, 100], got {bias:g} for token {token_id}")
+    if any(not s for s in sp.stop):
+        fail("stop", "must not contain empty strings")
+
+
+def parse_request(model: type[_Request], body: bytes) -> Any:
+    """Parse a JSON body into a request model; errors become InvalidRequestError naming the parameter."""
+    try:
+        data = json.loads(body) if body else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InvalidRequestError(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise validation_error(error) from None
+
+
+def validation_error(error: ValidationError) -> InvalidRequestError:
+    first = error.errors(include_url=False)[0]
+    loc = [str(p) for p in first["loc"] if not str(p).startswith(("function-", "list[", "str", "int"))]
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "missing":
+        message = "field required"
+    return InvalidRequestError(f"{where}: {message}" if where else message, param)

@@ -1,0 +1,117 @@
+"""`pagedserve gateway`: uvicorn (uvloop) for the HTTP API and grpc.aio for the gRPC API, in one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+
+import grpc
+import uvicorn
+from pagedserve.proto import text_generation_pb2_grpc
+
+from pagedserve.errors import PagedServeError
+from pagedserve.grpc_utils import SERVER_OPTIONS, add_health_and_reflection, set_serving
+from pagedserve.logging import configure_logging, get_logger
+from pagedserve.tracing import setup_tracing
+
+from .config import GatewayConfig
+from .engine_client import EngineClient
+from .generation import ModelInfo
+from .grpc_api import SERVICE_NAME, TextGenerationServicer
+from .openai_api import create_app
+from .tokenization import Tokenizer
+
+log = get_logger(__name__)
+
+ENGINE_INFO_RETRY_S = 2.0
+GRPC_GRACE_S = 5.0
+
+
+def load_model(config: GatewayConfig) -> tuple[Tokenizer, ModelInfo]:
+    from pagedserve.model_files import load_generation_info, model_name, resolve_model
+
+    model_dir = resolve_model(config.model)
+    info = load_generation_info(model_dir)
+    name = config.served_model_name or model_name(model_dir)
+    return Tokenizer.from_model_dir(model_dir), ModelInfo(name, info.max_model_len, info.eos_token_ids)
+
+
+async def follow_engine_info(engine: EngineClient, model: ModelInfo) -> None:
+    """Take the context length and EOS ids from the engine once it answers (it may cap max_model_len)."""
+    while True:
+        try:
+            info = await engine.info()
+        except PagedServeError:
+            await asyncio.sleep(ENGINE_INFO_RETRY_S)
+            continue
+        if info.max_model_len:
+            model.max_model_len = info.max_model_len
+        if info.eos_token_ids:
+            model.eos_token_ids = tuple(info.eos_token_ids)
+        log.info(
+            "engine info",
+            model=info.model,
+            max_model_len=info.max_model_len,
+            workers=info.num_healthy_workers,
+        )
+        return
+
+
+async def serve(config: GatewayConfig, tokenizer: Tokenizer, model: ModelInfo) -> None:
+    engine = EngineClient(config.scheduler)
+    app = create_app(config, tokenizer, model, engine)
+    grpc_server = None
+    if config.grpc_port:
+        grpc_server = grpc.aio.server(options=SERVER_OPTIONS)
+        core = app.state.gateway.core
+        text_generation_pb2_grpc.add_TextGenerationServicer_to_server(
+            TextGenerationServicer(core), grpc_server
+        )
+        health = add_health_and_reflection(grpc_server, [SERVICE_NAME])
+        grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        await grpc_server.start()
+        await set_serving(health, [SERVICE_NAME], True)
+        log.info("gRPC API listening", host=config.host, port=config.grpc_port)
+    info_task = asyncio.create_task(follow_engine_info(engine, model))
+    http = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            loop="none",  # the loop is already running (uvloop, from main)
+            log_config=None,  # uvicorn logs through the project's structlog setup
+            access_log=False,
+            timeout_graceful_shutdown=GRPC_GRACE_S,
+        )
+    )
+    log.info(
+        "HTTP API listening", host=config.host, port=config.port, model=model.name, scheduler=config.scheduler
+    )
+    try:
+        await http.serve()
+    finally:
+        info_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await info_task
+        if grpc_server is not None:
+            await grpc_server.stop(GRPC_GRACE_S)
+        await engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = GatewayConfig.from_args(argv)
+    configure_logging("gateway", config.log_level)
+    setup_tracing("pagedserve-gateway")
+    tokenizer, model = load_model(config)
+    try:
+        import uvloop
+    except ImportError:  # Windows
+        asyncio.run(serve(config, tokenizer, model))
+    else:
+        uvloop.run(serve(config, tokenizer, model))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""`pagedserve serve`: the whole stack (worker(s), scheduler, gateway) as local processes on loopback.
+
+The model is resolved (a GGUF converted) once here, so every child loads the same folder. Children
+inherit stdout/stderr, so their JSON log lines (each carrying its "service") come out of this one
+terminal. Each child runs in its own process group, so stopping one also stops anything it started;
+on Ctrl-C or SIGTERM every child gets SIGTERM, then SIGKILL after a grace period. If a child dies
+unexpectedly the rest are stopped and the launcher exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagedserve.logging import configure_logging, get_logger
+
+log = get_logger("pagedserve.launcher")
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(slots=True)
+class LaunchConfig:
+    # Model: a folder, a .gguf file, or None for the default model.
+    model: str | None
+    # Where the gateway listens (HTTP and public gRPC).
+    host: str
+    port: int
+    grpc_port: int
+    # Worker processes to start.
+    workers: int
+    # Passed through to the workers.
+    dtype: str
+    device: str
+    kv_cache_memory: str | None
+    num_blocks: int | None
+    # Passed through to the gateway (None: no authentication).
+    api_key: str | None
+    # Passed through to the scheduler (and the workers, for max_model_len and block_size).
+    max_model_len: int | None
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    block_size: int
+    # The scheduler's Engine port on loopback; 0 picks a free one.
+    scheduler_port: int
+    # Start the gateway (off: scheduler and workers only, e.g. for Engine clients).
+    gateway: bool
+    # Seconds to wait for every process to report healthy.
+    startup_timeout: float
+    # Seconds between SIGTERM and SIGKILL when stopping.
+    stop_timeout: float
+    log_level: str
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ
+    parser = argparse.ArgumentParser(
+        prog="pagedserve serve",
+        description="Start worker(s), scheduler and gateway as local processes and serve until Ctrl-C.",
+    )
+    parser.add_argument("--model", default=env.get("PAGEDSERVE_MODEL"), help="folder, .gguf, or default")
+    parser.add_argument("--host", default=LOOPBACK, help="gateway address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port (OpenAI API)")
+    parser.add_argument("--grpc-port", type=int, default=50051, help="gateway public gRPC port")
+    parser.add_argument("--workers", type=int, default=1, help="worker processes")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument("--device", default="auto", help="worker torch device")
+    parser.add_argument("--kv-cache-memory", default=None, help="KV pool budget per worker, e.g. 2GiB")
+    parser.add_argument("--num-blocks", type=int, default=None, help="exact KV blocks per worker")
+    parser.add_argument("--api-key", default=env.get("PAGEDSERVE_API_KEY"), help="required bearer token")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--scheduler-port", type=int, default=0, help="internal Engine port (0: free)")
+    parser.add_argument(
+        "--gateway", action=argparse.BooleanOptionalAction, default=True, help="start the gateway"
+    )
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--stop-timeout", type=float, default=10.0)
+    parser.add_argument("--log-level", default=env.get("PAGEDSERVE_LOG_LEVEL", "info"))
+    return parser
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: its own process group, and SIGTERM when the launcher dies (Linux)."""
+    os.setpgid(0, 0)
+    if sys.platform == "linux":
+        import ctypes
+
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Supervisor:
+    """The child processes, started in order and stopped in reverse."""
+
+    def __init__(self, stop_timeout: float):
+        self.stop_timeout = stop_timeout
+        self.children: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, args: Sequence[str]) -> None:
+        command = [sys.executable, "-m", "pagedserve.cli", *args]
+        log.info("starting", process=name, command=" ".join(command))
+        process = subprocess.Popen(command, preexec_fn=_die_with_parent)
+        self.children.append((name, process))
+
+    def first_dead(self) -> tuple[str, int] | None:
+        for name, process in self.children:
+            code = process.poll()
+            if code is not None:
+                return name, code
+        return None
+
+    def stop(self) -> None:
+        live = [(name, p) for name, p in reversed(self.children) if p.poll() is None]
+        for _name, process in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout
+        for name, process in live:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("killing", process=name, after_seconds=self.stop_timeout)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        # Anything a child left in its group (its own children) goes too.
+        for _name, process in self.children:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _engine_ready(address: str, workers: int) -> bool:
+    """The scheduler is SERVING and all `workers` registered."""
+    import grpc
+
+    from pagedserve.grpc_utils import check_health
+    from pagedserve.proto import engine_pb2, engine_pb2_grpc
+
+    async def probe() -> bool:
+        if not await check_health(address, timeout=1.0):
+            return False
+        async with grpc.aio.insecure_channel(address) as channel:
+            info = await engine_pb2_grpc.EngineStub(channel).GetEngineInfo(
+                engine_pb2.EngineInfoRequest(), timeout=1.0
+            )
+            return info.num_healthy_workers >= workers
+
+    try:
+        return asyncio.run(probe())
+    except Exception:
+        return False
+
+
+def _http_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _wait_until(ready, supervisor: Supervisor, what: str, deadline: float) -> None:
+    while not ready():
+        dead = supervisor.first_dead()
+        if dead is not None:
+            raise RuntimeError(f"{dead[0]} exited with code {dead[1]} while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not healthy after the startup timeout")
+        time.sleep(0.25)
+
+
+def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, scheduler_port: int):
+    level = ["--log-level", config.log_level]
+    scheduler = ["scheduler", "--model", model_dir, "--host", LOOPBACK, "--port", str(scheduler_port)]
+    scheduler += ["--block-size", str(config.block_size), *level]
+    for flag, value in [
+        ("--max-model-len", config.max_model_len),
+        ("--max-num-seqs", config.max_num_seqs),
+        ("--max-num-batched-tokens", config.max_num_batched_tokens),
+    ]:
+        if value is not None:
+            scheduler += [flag, str(value)]
+    workers = []
+    for i in range(config.workers):
+        worker = ["worker", "--model", model_dir, "--host", LOOPBACK, "--port", "0"]
+        worker += ["--scheduler", engine_address, "--worker-id", f"worker-{i}", "--dtype", config.dtype]
+        worker += ["--device", config.device, "--block-size", str(config.block_size), *level]
+        for flag, value in [
+            ("--kv-cache-memory", config.kv_cache_memory),
+            ("--num-blocks", config.num_blocks),
+            ("--max-model-len", config.max_model_len),
+        ]:
+            if value is not None:
+                worker += [flag, str(value)]
+        workers.append(worker)
+    gateway = ["gateway", "--host", config.host, "--port", str(config.port)]
+    gateway += ["--grpc-port", str(config.grpc_port), "--scheduler", engine_address, "--model", model_dir]
+    if config.api_key:
+        gateway += ["--api-key", config.api_key]
+    gateway += level
+    return scheduler, workers, gateway
+
+
+def serve(config: LaunchConfig) -> int:
+    from pagedserve.model_files import model_name, resolve_model
+
+    model_dir = str(resolve_model(config.model))
+    scheduler_port = config.scheduler_port or free_port()
+    engine_address = f"{LOOPBACK}:{scheduler_port}"
+    with_gateway = config.gateway and importlib.util.find_spec("pagedserve.gateway.server") is not None
+    if config.gateway and not with_gateway:
+        log.warning("the gateway is not available in this version; serving the Engine service only")
+    scheduler_args, worker_args, gateway_args = _child_args(config, model_dir, engine_address, scheduler_port)
+
+    def on_signal(signum, _frame):
+        raise _Stop(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    supervisor = Supervisor(config.stop_timeout)
+    try:
+        supervisor.start("scheduler", scheduler_args)
+        for i, args in enumerate(worker_args):
+            supervisor.start(f"worker-{i}", args)
+        if with_gateway:
+            supervisor.start("gateway", gateway_args)
+        deadline = time.monotonic() + config.startup_timeout
+        _wait_until(
+            lambda: _engine_ready(engine_address, config.workers), supervisor, "scheduler+workers", deadline
+        )
+        http_host = LOOPBACK if config.host in ("0.0.0.0", "::", "") else config.host
+        if with_gateway:
+            _wait_until(
+                lambda: _http_ready(f"http://{http_host}:{config.port}/health"),
+                supervisor,
+                "gateway",
+                deadline,
+            )
+        lines = [f"pagedserve is ready: {model_name(model_dir)} on {config.workers} worker(s)"]
+        if with_gateway:
+            lines.append(f"  OpenAI API:  http://{http_host}:{config.port}/v1")
+            lines.append(f"  gRPC API:    {http_host}:{config.grpc_port}")
+        lines.append(f"  Engine:      {engine_address} (internal)")
+        lines.append("Press Ctrl-C to stop.")
+        print("\n".join(lines), flush=True)
+        while True:
+            dead = supervisor.first_dead()
+            if dead is not None:
+                log.error("a process exited unexpectedly; stopping the others", process=dead[0], code=dead[1])
+                return 1
+            time.sleep(0.5)
+    except _Stop as stop:
+        log.info("stopping", signal=str(stop))
+        return 0
+    except (RuntimeError, TimeoutError) as error:
+        log.error("startup failed", error=str(error))
+        return 1
+    finally:
+        # A second Ctrl-C while stopping must not leave children behind.
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)
+        supervisor.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging("launcher", args.log_level)
+    if args.workers < 1:
+        print("pagedserve serve: --workers must be at least 1", file=sys.stderr)
+        return 2
+    return serve(LaunchConfig(**vars(args)))

@@ -1,0 +1,741 @@
+"""The engine: one step loop per worker, the client request streams, routing, and worker failure.
+
+Each registered worker gets a `WorkerEngine`: its own scheduler core (block pool + prefix trie), its
+plan builder, and one `Worker.Steps` stream. The loop keeps up to `max_inflight_plans` plans in flight,
+so plan N+1 is built, encoded and on the wire while the worker computes step N; when the core has
+nothing to schedule (`Scheduler.has_work()`) it sends no plan and sleeps on an event that new
+requests and aborts set.
+
+A client request (`RequestStream`) records what its client has already been sent. When a worker's
+stream breaks, its requests go back to the router with exactly those tokens as their output so far
+(each unfinished sequence on its own, with its index and child seed) and are recomputed on a
+surviving worker, so the client sees no lost or repeated token and seeded draws stay the same. With no
+healthy worker left they wait (bounded) for one to register.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from pagedserve.proto import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
+from pagedserve.scheduler_svc.config import SchedulerConfig
+from pagedserve.scheduler_svc.metrics import EngineMetrics, WorkerCounters
+from pagedserve.scheduler_svc.plan import PlanBuilder
+from pagedserve.scheduler_svc.request import Request
+from pagedserve.scheduler_svc.router import choose_worker
+from pagedserve.scheduler_svc.scheduler import RequestOutput, Scheduler, SchedulerOutput
+from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
+
+from pagedserve.errors import InvalidRequestError, OverloadedError, PagedServeError, UnavailableError
+from pagedserve.grpc_utils import CHANNEL_OPTIONS
+from pagedserve.logging import get_logger
+from pagedserve.tracing import get_tracer
+
+log = get_logger("pagedserve.scheduler.engine")
+tracer = get_tracer("pagedserve.scheduler")
+
+FINISH_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+# Sentinel that ends a RequestStream's queue.
+END = None
+
+
+class WorkerLost(Exception):
+    """The worker's Steps stream ended or broke."""
+
+
+@dataclass(slots=True)
+class SequenceProgress:
+    # Tokens the client has been sent for this sequence, in order.
+    token_ids: list[int] = field(default_factory=list)
+    # FINISH_REASON_UNSPECIFIED while it runs.
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    # Monotonic seconds of the first and of the latest token (None before the first).
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+class RequestStream:
+    """One Generate call: the queue its messages go through, and what its client has seen."""
+
+    def __init__(self, msg: engine_pb2.EngineGenerateRequest, span=None):
+        self.request_id = msg.request_id
+        self.msg = msg
+        self.n = max(1, msg.sampling.n)
+        # Wall-clock arrival (the core's unit) and monotonic arrival (for latencies).
+        self.arrival_time = time.time()
+        self.arrival = time.monotonic()
+        self.sequences = [SequenceProgress() for _ in range(self.n)]
+        # EngineGenerateResponse messages, then END; or a PagedServeError.
+        self.queue: asyncio.Queue = asyncio.Queue()
+        # The worker computing it; None while it waits for one.
+        self.worker: WorkerEngine | None = None
+        # Prompt tokens served from the prefix cache at the first admission (-1: not known yet).
+        self.cached_prompt_tokens = -1
+        # Monotonic seconds it was first scheduled (None: still queued).
+        self.first_scheduled: float | None = None
+        self.done = False
+        self.span = span
+        # Cancels the wait for a worker when none is healthy.
+        self.wait_timer: asyncio.TimerHandle | None = None
+        # Prompt log-probabilities received and not sent yet; sent once on the first message.
+        self.prompt_logprobs: list[common_pb2.TokenLogprob] = []
+        self.prompt_logprobs_sent = False
+
+    @property
+    def num_unfinished(self) -> int:
+        return sum(1 for s in self.sequences if s.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED)
+
+    def usage(self) -> common_pb2.Usage:
+        return common_pb2.Usage(
+            prompt_tokens=len(self.msg.prompt_token_ids),
+            completion_tokens=sum(len(s.token_ids) for s in self.sequences),
+            cached_prompt_tokens=max(0, self.cached_prompt_tokens),
+        )
+
+    def core_requests(self, eos_token_ids: frozenset[int]) -> list[Request]:
+        """What is left of this stream, for a worker's core: the whole request while its client has
+        seen nothing, else each unfinished sequence on its own, carrying on after the tokens already
+        streamed (its outputs stay outputs, its seed stays the child seed: after a worker failure it
+        continues exactly as it would have, seeded draws and penalties included)."""
+        if all(not s.token_ids for s in self.sequences) and self.num_unfinished == self.n:
+            return [Request.from_generate_request(self.msg, eos_token_ids, self.arrival_time)]
+        return [
+            Request.resume(self.msg, index, seq.token_ids, eos_token_ids, self.arrival_time)
+            for index, seq in enumerate(self.sequences)
+            if seq.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+        ]
+
+
+class WorkerEngine:
+    """One worker: its scheduler core, its Steps stream, and the loop that keeps it busy."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        registration: engine_pb2.RegisterWorkerRequest,
+        info: worker_pb2.ModelInfo,
+        channel: grpc.aio.Channel,
+    ):
+        self.engine = engine
+        self.worker_id = registration.worker_id
+        self.address = registration.address
+        self.info = info
+        self.channel = channel
+        self.stub = worker_pb2_grpc.WorkerStub(channel)
+        cfg = engine.config
+        self.core_config = SchedulerConfig(
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
+            # NOTE: a sequence must fit the pool alone, or it could never finish (the core refuses
+            # it); a small pool therefore shortens this worker's context rather than failing requests.
+            max_model_len=min(
+                engine.max_model_len,
+                info.max_model_len or engine.max_model_len,
+                info.num_blocks * info.block_size,
+            ),
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            policy=cfg.scheduling_policy,
+        )
+        if self.core_config.max_model_len < engine.max_model_len:
+            log.warning(
+                "worker_context_shortened",
+                worker_id=self.worker_id,
+                max_model_len=self.core_config.max_model_len,
+                reason="its KV pool or its own limit holds fewer tokens than the model's context",
+            )
+        self.scheduler = Scheduler(self.core_config)
+        self.plan_builder = PlanBuilder()
+        self.counters = WorkerCounters()
+        # Request id -> client stream, for the streams this worker's core holds (its sequences are the
+        # core's, under the same id and indices).
+        self.routes: dict[str, RequestStream] = {}
+        self.healthy = False
+        # Set when there may be something new to schedule (a request, an abort).
+        self.wakeup = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.closed = False
+
+    # --- what the router reads ---
+    def prefix_hit_tokens(self, token_ids, cache_salt: str) -> int:
+        cache = self.scheduler.kv.cache
+        if cache is None:
+            return 0
+        bs = self.core_config.block_size
+        return len(cache.match(cache_salt, list(token_ids), (len(token_ids) - 1) // bs)) * bs
+
+    def load(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    def free_blocks(self) -> int:
+        return self.scheduler.kv.num_free_blocks
+
+    def streams(self) -> list[RequestStream]:
+        return list(self.routes.values())
+
+    # --- requests ---
+    def add(self, stream: RequestStream) -> None:
+        """Queue the stream's sequences here; raises InvalidRequestError if this worker can't take them."""
+        assert self.healthy
+        try:
+            for request in stream.core_requests(self.engine.eos_token_ids):
+                self.scheduler.add_request(request)
+        except ValueError as error:
+            self.scheduler.abort_request(stream.request_id)
+            raise InvalidRequestError(str(error)) from error
+        self.routes[stream.request_id] = stream
+        stream.worker = self
+        self.wakeup.set()
+
+    def abort(self, stream: RequestStream, index: int | None = None) -> None:
+        """Abort sequence `index` of the stream here (its blocks are free at once), or all of them."""
+        self.scheduler.abort_request(stream.request_id, index)
+        if index is None:
+            self.routes.pop(stream.request_id, None)
+            stream.worker = None
+        self.wakeup.set()
+
+    def forget(self, stream: RequestStream) -> None:
+        """The stream is done: drop its route (the core has finished its sequences itself)."""
+        self.routes.pop(stream.request_id, None)
+
+    # --- the step loop ---
+    def start(self) -> None:
+        self.healthy = True
+        self.task = asyncio.create_task(self._run(), name=f"worker-loop-{self.worker_id}")
+
+    async def _run(self) -> None:
+        try:
+            await self._step_loop()
+        except asyncio.CancelledError:
+            raise
+        except (grpc.RpcError, WorkerLost) as error:
+            detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
+            log.warning("worker_lost", worker_id=self.worker_id, address=self.address, error=detail)
+            self.engine.on_worker_failed(self)
+        except Exception:
+            log.exception("worker_loop_failed", worker_id=self.worker_id)
+            self.engine.on_worker_failed(self)
+
+    async def _step_loop(self) -> None:
+        call = self.stub.Steps()
+        # (scheduler output, step span) of each plan sent whose result has not come back, in order.
+        in_flight: deque = deque()
+        max_inflight = self.engine.config.max_inflight_plans
+        scheduler, plan_builder = self.scheduler, self.plan_builder
+        pending_read: asyncio.Future | None = None
+        try:
+            while True:
+                self.wakeup.clear()
+                # NOTE: fill the pipeline first, then wait for the oldest result: plan N+1 is on the
+                # wire while the worker computes step N.
+                while len(in_flight) < max_inflight and scheduler.has_work():
+                    output = scheduler.schedule()
+                    plan = plan_builder.build(output)
+                    span = tracer.start_span(
+                        "worker.step",
+                        attributes={
+                            "worker.id": self.worker_id,
+                            "step.id": plan.step_id,
+                            "step.num_slots": len(plan.slots),
+                            "step.num_scheduled_tokens": output.total_num_scheduled_tokens,
+                        },
+                    )
+                    await call.write(plan)
+                    in_flight.append((output, span))
+                    self.engine.on_scheduled(self, output)
+                # NOTE: one read is always pending, even while idle, so a worker that dies between
+                # requests is noticed at once (its stream ends) rather than at the next plan.
+                if pending_read is None:
+                    pending_read = asyncio.ensure_future(call.read())
+                if not in_flight:
+                    wakeup = asyncio.ensure_future(self.wakeup.wait())
+                    done, _ = await asyncio.wait({pending_read, wakeup}, return_when=asyncio.FIRST_COMPLETED)
+                    if pending_read not in done:
+                        continue
+                    wakeup.cancel()
+                    pending_read.result()  # raises the stream's error, if it broke
+                    raise WorkerLost("the worker's Steps stream ended with no plan in flight")
+                result = await pending_read
+                pending_read = None
+                if result is grpc.aio.EOF:
+                    raise WorkerLost("the worker closed its Steps stream")
+                output, span = in_flight.popleft()
+                span.end()
+                self.counters.observe(result.timings)
+                outputs = scheduler.update_from_output(output, result)
+                self.engine.deliver(self, output, result, outputs)
+        finally:
+            for _, span in in_flight:
+                span.end()
+            if pending_read is not None:
+                pending_read.cancel()
+            call.cancel()
+
+    def reset_core(self) -> None:
+        """Forget every request: a fresh block pool and trie (the worker is Reset before reuse)."""
+        self.routes.clear()
+        self.scheduler = Scheduler(self.core_config)
+        self.plan_builder = PlanBuilder()
+
+    async def close(self) -> None:
+        self.closed = True
+        self.healthy = False
+        if self.task is not None and self.task is not asyncio.current_task():
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
+        await self.channel.close()
+
+
+class Engine:
+    """The workers, the live request streams, routing, and the numbers behind Stats."""
+
+    def __init__(
+        self,
+        config: SchedulerServiceConfig,
+        model: str,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        vocab_size: int,
+        on_health_change: Callable[[bool], None] | None = None,
+    ):
+        self.config = config
+        self.model = model
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.on_health_change = on_health_change
+        self.workers: dict[str, WorkerEngine] = {}
+        self.streams: dict[str, RequestStream] = {}
+        # Requests waiting for a healthy worker, in arrival order.
+        self.pending: deque[RequestStream] = deque()
+        self.metrics = EngineMetrics()
+        # Core counters of schedulers discarded after a worker failure (kept so totals never drop).
+        self.retired = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+        self._reconnects: dict[str, asyncio.Task] = {}
+
+    # --- workers ---
+    def effective_max_model_len(self) -> int:
+        """The context length every healthy worker can serve (the configured one with none up)."""
+        return min((w.core_config.max_model_len for w in self.healthy_workers()), default=self.max_model_len)
+
+    def healthy_workers(self) -> list[WorkerEngine]:
+        return [w for w in self.workers.values() if w.healthy]
+
+    async def register_worker(
+        self, reg: engine_pb2.RegisterWorkerRequest
+    ) -> engine_pb2.RegisterWorkerResponse:
+        def refuse(message: str) -> engine_pb2.RegisterWorkerResponse:
+            log.warning("worker_refused", worker_id=reg.worker_id, address=reg.address, reason=message)
+            return engine_pb2.RegisterWorkerResponse(accepted=False, message=message)
+
+        if not reg.worker_id or not reg.address:
+            return refuse("worker_id and address are required")
+        if reg.block_size != self.config.block_size:
+            return refuse(
+                f"block size {reg.block_size} differs from the scheduler's {self.config.block_size}"
+            )
+        if reg.model and reg.model != self.model:
+            return refuse(f"model {reg.model!r} differs from the scheduler's {self.model!r}")
+        existing = self.workers.get(reg.worker_id)
+        if existing is not None and existing.healthy and existing.address == reg.address:
+            # NOTE: the same live process announcing itself again (it lost sight of us for a while);
+            # its state matches ours, so there is nothing to reset.
+            log.info("worker_reregistered", worker_id=reg.worker_id, address=reg.address)
+            return engine_pb2.RegisterWorkerResponse(accepted=True)
+        channel = grpc.aio.insecure_channel(reg.address, options=CHANNEL_OPTIONS)
+        try:
+            info = await worker_pb2_grpc.WorkerStub(channel).Reset(worker_pb2.ResetRequest(), timeout=30.0)
+        except grpc.RpcError as error:
+            await channel.close()
+            return refuse(f"cannot reach the worker at {reg.address}: {error.code().name}")
+        if info.block_size != self.config.block_size:
+            await channel.close()
+            return refuse(
+                f"block size {info.block_size} differs from the scheduler's {self.config.block_size}"
+            )
+        # A worker with this id or at this address already known is gone: its requests move on.
+        for old in [
+            w for w in self.workers.values() if w.worker_id == reg.worker_id or w.address == reg.address
+        ]:
+            await self._retire(old)
+        worker = WorkerEngine(self, reg, info, channel)
+        self.workers[reg.worker_id] = worker
+        worker.start()
+        log.info(
+            "worker_registered",
+            worker_id=reg.worker_id,
+            address=reg.address,
+            num_blocks=info.num_blocks,
+            device=info.device,
+            dtype=info.dtype,
+        )
+        self._health_changed()
+        self._place_pending()
+        return engine_pb2.RegisterWorkerResponse(accepted=True)
+
+    async def _retire(self, worker: WorkerEngine) -> None:
+        task = self._reconnects.pop(worker.worker_id, None)
+        if task is not None:
+            task.cancel()
+        self.workers.pop(worker.worker_id, None)
+        streams = worker.streams()
+        self._retire_counters(worker)
+        await worker.close()
+        worker.routes.clear()
+        self._requeue(streams)
+
+    def on_worker_failed(self, worker: WorkerEngine) -> None:
+        """The worker's stream broke: requeue its requests elsewhere and try to get it back."""
+        worker.healthy = False
+        streams = worker.streams()
+        self._retire_counters(worker)
+        worker.reset_core()
+        self._health_changed()
+        self._requeue(streams)
+        if not worker.closed:
+            self._reconnects[worker.worker_id] = asyncio.create_task(self._reconnect(worker))
+
+    async def _reconnect(self, worker: WorkerEngine) -> None:
+        """Reset the worker until it answers (a transient outage), then give it work again. A
+        restarted worker process re-registers instead, which replaces this one."""
+        backoff = 0.5
+        while not worker.closed:
+            await asyncio.sleep(backoff)
+            try:
+                info = await worker.stub.Reset(worker_pb2.ResetRequest(), timeout=5.0)
+            except grpc.RpcError:
+                backoff = min(backoff * 2, 10.0)
+                continue
+            if worker.closed or self.workers.get(worker.worker_id) is not worker:
+                return
+            worker.info = info
+            worker.reset_core()
+            worker.start()
+            log.info("worker_reconnected", worker_id=worker.worker_id, address=worker.address)
+            self._reconnects.pop(worker.worker_id, None)
+            self._health_changed()
+            self._place_pending()
+            return
+
+    def _requeue(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            stream.worker = None
+            if not stream.done:
+                log.info(
+                    "request_requeued",
+                    request_id=stream.request_id,
+                    tokens_streamed=[len(s.token_ids) for s in stream.sequences],
+                )
+                self.place(stream)
+
+    def _retire_counters(self, worker: WorkerEngine) -> None:
+        for key, value in _core_counters(worker.scheduler).items():
+            self.retired[key] += value
+
+    def _health_changed(self) -> None:
+        if self.on_health_change is not None:
+            self.on_health_change(bool(self.healthy_workers()))
+
+    async def close(self) -> None:
+        for task in self._reconnects.values():
+            task.cancel()
+        for worker in list(self.workers.values()):
+            await worker.close()
+        for stream in list(self.streams.values()):
+            self._fail(stream, UnavailableError("the scheduler is shutting down"))
+
+    # --- requests ---
+    def submit(self, msg: engine_pb2.EngineGenerateRequest, span=None) -> RequestStream:
+        self._validate(msg)
+        if msg.request_id in self.streams:
+            raise InvalidRequestError(f"request id {msg.request_id!r} is already live", param="request_id")
+        if self.num_waiting() >= self.config.max_queued_requests:
+            raise OverloadedError(
+                f"the waiting queue is full ({self.config.max_queued_requests} requests); retry later"
+            )
+        stream = RequestStream(msg, span)
+        self.place(stream)
+        self.streams[msg.request_id] = stream
+        return stream
+
+    def _validate(self, msg: engine_pb2.EngineGenerateRequest) -> None:
+        if not msg.request_id:
+            raise InvalidRequestError("request_id is required", param="request_id")
+        prompt_len = len(msg.prompt_token_ids)
+        max_model_len = self.effective_max_model_len()
+        if prompt_len == 0:
+            raise InvalidRequestError("the prompt must have at least one token", param="prompt")
+        if self.vocab_size and max(msg.prompt_token_ids) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"prompt token id {max(msg.prompt_token_ids)} is out of the vocabulary (size {self.vocab_size})",
+                param="prompt",
+            )
+        if prompt_len >= max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {prompt_len} tokens; this model's context length is {max_model_len} "
+                "and at least one token must be generated",
+                param="prompt",
+            )
+        sp = msg.sampling
+        if sp.HasField("max_tokens"):
+            if sp.max_tokens < 1:
+                raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
+            if prompt_len + sp.max_tokens > max_model_len:
+                raise InvalidRequestError(
+                    f"prompt ({prompt_len} tokens) plus max_tokens ({sp.max_tokens}) exceeds this model's "
+                    f"context length of {max_model_len} tokens",
+                    param="max_tokens",
+                )
+
+    def place(self, stream: RequestStream) -> None:
+        """Hand the stream to the best healthy worker, or park it until one registers."""
+        worker = choose_worker(self.healthy_workers(), stream.msg.prompt_token_ids, stream.msg.cache_salt)
+        if worker is None:
+            self.pending.append(stream)
+            if stream.wait_timer is None:
+                stream.wait_timer = asyncio.get_running_loop().call_later(
+                    self.config.worker_wait_timeout, self._wait_expired, stream
+                )
+            return
+        if stream.wait_timer is not None:
+            stream.wait_timer.cancel()
+            stream.wait_timer = None
+        try:
+            worker.add(stream)
+        except InvalidRequestError as error:
+            if stream.request_id not in self.streams:
+                raise  # a new request: the client hears why
+            self._fail(stream, error)
+            return
+        if stream.span is not None:
+            stream.span.add_event("routed", {"worker.id": worker.worker_id})
+
+    def _place_pending(self) -> None:
+        pending, self.pending = self.pending, deque()
+        for stream in pending:
+            if not stream.done:
+                self.place(stream)
+
+    def _wait_expired(self, stream: RequestStream) -> None:
+        stream.wait_timer = None
+        if stream.done or stream.worker is not None:
+            return
+        with contextlib.suppress(ValueError):
+            self.pending.remove(stream)
+        self._fail(stream, UnavailableError("no worker is available to serve the request; retry later"))
+
+    def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Stop sequence `index` of a live request (the others go on), or all of them when None; the
+        aborted sequences' blocks go back to the pool at once. False if nothing was live."""
+        stream = self.streams.get(request_id)
+        if stream is None or stream.done:
+            return False
+        unfinished = [
+            i
+            for i, s in enumerate(stream.sequences)
+            if s.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+        ]
+        if index is not None and index not in unfinished:
+            return False
+        whole = index is None or unfinished == [index]
+        if stream.worker is not None:
+            stream.worker.abort(stream, None if whole else index)
+        elif whole:
+            with contextlib.suppress(ValueError):
+                self.pending.remove(stream)
+        # NOTE: a partly aborted stream waiting for a worker needs nothing more: core_requests()
+        # leaves its finished sequences out when it is placed.
+        messages = []
+        for i in unfinished if whole else [index]:
+            stream.sequences[i].finish_reason = common_pb2.FINISH_REASON_ABORT
+            messages.append(
+                engine_pb2.EngineGenerateResponse(
+                    request_id=request_id, index=i, finish_reason=common_pb2.FINISH_REASON_ABORT
+                )
+            )
+        if whole:
+            messages[-1].usage.CopyFrom(stream.usage())
+        for message in messages:
+            stream.queue.put_nowait(message)
+        if whole:
+            self._finish(stream, "abort", time.monotonic())
+        return True
+
+    def _fail(self, stream: RequestStream, error: PagedServeError) -> None:
+        if stream.worker is not None:
+            stream.worker.abort(stream)
+        stream.queue.put_nowait(error)
+        self._finish(stream, "abort", time.monotonic(), end=False)
+
+    def _finish(self, stream: RequestStream, reason: str, now: float, end: bool = True) -> None:
+        stream.done = True
+        if stream.wait_timer is not None:
+            stream.wait_timer.cancel()
+            stream.wait_timer = None
+        self.streams.pop(stream.request_id, None)
+        if stream.worker is not None:
+            stream.worker.forget(stream)
+        self.metrics.record_finished(reason, stream.arrival, now)
+        if end:
+            stream.queue.put_nowait(END)
+        if stream.span is not None:
+            stream.span.set_attribute("finish_reason", reason)
+
+    # --- step results ---
+    def on_scheduled(self, worker: WorkerEngine, output: SchedulerOutput) -> None:
+        """A plan went out: requests computed for the first time stop counting as queued."""
+        now = time.monotonic()
+        for request in output.scheduled:
+            stream = worker.routes.get(request.request_id)
+            if stream is not None and stream.first_scheduled is None:
+                stream.first_scheduled = now
+                self.metrics.queue_time.observe(now - stream.arrival)
+
+    def deliver(
+        self,
+        worker: WorkerEngine,
+        output: SchedulerOutput,
+        result: worker_pb2.StepResult,
+        outputs: list[RequestOutput],
+    ) -> None:
+        """Turn the core's per-sequence outputs of one step into client messages."""
+        now = time.monotonic()
+        if result.prompt_logprobs:
+            self._collect_prompt_logprobs(worker, result)
+        for out in outputs:
+            stream = worker.routes.get(out.request_id)
+            if stream is None or stream.done:
+                continue  # aborted while its plan was in flight
+            index = out.index
+            seq = stream.sequences[index]
+            if seq.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                continue
+            if stream.cached_prompt_tokens < 0:
+                stream.cached_prompt_tokens = out.num_cached_tokens
+            token_ids = list(out.new_token_ids)
+            message = engine_pb2.EngineGenerateResponse(
+                request_id=stream.request_id, index=index, token_ids=token_ids
+            )
+            if token_ids:
+                if all(s.first_token_time is None for s in stream.sequences):
+                    self.metrics.prompt_tokens += len(stream.msg.prompt_token_ids)
+                self.metrics.record_tokens(
+                    len(token_ids), now, seq.first_token_time, seq.last_token_time, stream.arrival
+                )
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                seq.last_token_time = now
+                seq.token_ids.extend(token_ids)
+            if out.logprobs:
+                message.logprobs.extend(out.logprobs)
+            if not stream.prompt_logprobs_sent and stream.msg.sampling.HasField("prompt_logprobs"):
+                message.prompt_logprobs.extend(stream.prompt_logprobs)
+                stream.prompt_logprobs_sent = True
+            if out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                seq.finish_reason = out.finish_reason
+                message.finish_reason = out.finish_reason
+                if out.stop_token_id is not None:
+                    message.stop_token_id = out.stop_token_id
+                if stream.num_unfinished == 0:
+                    message.usage.CopyFrom(stream.usage())
+            stream.queue.put_nowait(message)
+            if stream.num_unfinished == 0:
+                reasons = [s.finish_reason for s in stream.sequences]
+                self._finish(stream, FINISH_NAMES[max(reasons, key=_finish_rank)], now)
+
+    def _collect_prompt_logprobs(self, worker: WorkerEngine, result: worker_pb2.StepResult) -> None:
+        slots = [entry.slot for entry in result.prompt_logprobs]
+        requests = worker.plan_builder.requests_at(result.step_id, slots)
+        for entry, request in zip(result.prompt_logprobs, requests, strict=True):
+            stream = worker.routes.get(request.request_id)
+            if stream is None or stream.prompt_logprobs_sent:
+                continue
+            # NOTE: keep each prompt position once, in order (position 0 has none): the n sequences
+            # all score the last prompt token, and a prompt recomputed after a preemption or on
+            # another worker is scored again.
+            start = entry.start_position
+            have = 1 + len(stream.prompt_logprobs)  # the next position wanted
+            if start <= have:
+                stream.prompt_logprobs.extend(
+                    entry.logprobs[have - start : len(stream.msg.prompt_token_ids) - start]
+                )
+
+    # --- stats ---
+    def num_waiting(self) -> int:
+        return len(self.pending) + sum(len(w.scheduler.waiting) for w in self.healthy_workers())
+
+    def stats(self) -> engine_pb2.EngineStats:
+        stats = engine_pb2.EngineStats()
+        counters = dict(self.retired)
+        total_blocks = used_blocks = 0
+        for worker in self.workers.values():
+            core = worker.scheduler.stats()
+            counters["prefix_cache_queries"] += core.prefix_cache_queries
+            counters["prefix_cache_hits"] += core.prefix_cache_hits
+            counters["num_preemptions"] += core.num_preemptions
+            stats.workers.append(
+                engine_pb2.WorkerStats(
+                    worker_id=worker.worker_id,
+                    address=worker.address,
+                    healthy=worker.healthy,
+                    num_blocks=core.num_blocks,
+                    num_blocks_in_use=core.num_blocks_in_use,
+                    num_cached_free_blocks=core.num_cached_free_blocks,
+                    num_running=core.num_running,
+                    num_waiting=core.num_waiting,
+                    num_steps=worker.counters.num_steps,
+                    mean_step_seconds=worker.counters.mean_step_seconds,
+                    mean_idle_seconds=worker.counters.mean_idle_seconds,
+                )
+            )
+            if worker.healthy:
+                total_blocks += core.num_blocks
+                used_blocks += core.num_blocks_in_use
+                stats.num_requests_running += core.num_running
+                stats.num_requests_waiting += core.num_waiting
+        stats.num_requests_waiting += len(self.pending)
+        stats.num_blocks_in_use = used_blocks
+        stats.kv_cache_usage = used_blocks / total_blocks if total_blocks else 0.0
+        stats.prefix_cache_queries = counters["prefix_cache_queries"]
+        stats.prefix_cache_hits = counters["prefix_cache_hits"]
+        stats.num_preemptions = counters["num_preemptions"]
+        self.metrics.fill(stats)
+        return stats
+
+    def info(self) -> engine_pb2.EngineInfo:
+        return engine_pb2.EngineInfo(
+            model=self.model,
+            max_model_len=self.effective_max_model_len(),
+            eos_token_ids=sorted(self.eos_token_ids),
+            vocab_size=self.vocab_size,
+            block_size=self.config.block_size,
+            num_healthy_workers=len(self.healthy_workers()),
+            max_queued_requests=self.config.max_queued_requests,
+        )
+
+
+def _finish_rank(reason: int) -> int:
+    # The request's finish reason for the counters: abort over length over stop.
+    return {common_pb2.FINISH_REASON_ABORT: 3, common_pb2.FINISH_REASON_LENGTH: 2}.get(reason, 1)
+
+
+def _core_counters(scheduler: Scheduler) -> dict[str, int]:
+    stats = scheduler.stats()
+    return {
+        "prefix_cache_queries": stats.prefix_cache_queries,
+        "prefix_cache_hits": stats.prefix_cache_hits,
+        "num_preemptions": stats.num_preemptions,
+    }

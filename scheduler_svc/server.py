@@ -1,0 +1,187 @@
+"""The scheduler process: the Engine gRPC service over the engine, health, reflection.
+
+    pagedserve scheduler --model default --port 50052
+
+It reads the model's generation config and tokenizer files (end-of-sequence ids, context length,
+vocabulary size) but never its weights: no torch in this process. Health is SERVING only while at
+least one worker is registered and its step stream is up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import grpc
+import structlog
+from opentelemetry.trace import Status, StatusCode
+from pagedserve.proto import engine_pb2, engine_pb2_grpc
+from pagedserve.scheduler_svc.engine import END, Engine, RequestStream
+from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
+
+from pagedserve.errors import PagedServeError, abort_with
+from pagedserve.grpc_utils import SERVER_OPTIONS, add_health_and_reflection, set_serving
+from pagedserve.logging import configure_logging, get_logger
+from pagedserve.model_files import load_generation_info, model_name, resolve_model
+from pagedserve.tracing import extract_context, get_tracer, setup_tracing
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+
+log = get_logger("pagedserve.scheduler")
+tracer = get_tracer("pagedserve.scheduler")
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(self, engine: Engine, sync_health):
+        self.engine = engine
+        self.sync_health = sync_health
+
+    async def Generate(
+        self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+        structlog.contextvars.bind_contextvars(request_id=request.request_id)
+        span = tracer.start_span(
+            "scheduler.generate",
+            context=extract_context(context.invocation_metadata()),
+            attributes={
+                "request.id": request.request_id,
+                "request.prompt_tokens": len(request.prompt_token_ids),
+                "request.n": max(1, request.sampling.n),
+            },
+        )
+        stream: RequestStream | None = None
+        try:
+            try:
+                stream = self.engine.submit(request, span)
+            except PagedServeError as error:
+                span.set_status(Status(StatusCode.ERROR, error.message))
+                log.info("request_refused", error=error.message)
+                await abort_with(context, error)
+            log.info("request_received", prompt_tokens=len(request.prompt_token_ids), n=stream.n)
+            while True:
+                item = await stream.queue.get()
+                if item is END:
+                    break
+                if isinstance(item, PagedServeError):
+                    span.set_status(Status(StatusCode.ERROR, item.message))
+                    log.warning("request_failed", error=item.message)
+                    await abort_with(context, item)
+                yield item
+            usage = stream.usage()
+            log.info(
+                "request_finished",
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                cached_prompt_tokens=usage.cached_prompt_tokens,
+            )
+        finally:
+            if stream is not None and not stream.done:
+                # NOTE: the client closed the stream (or the server is stopping): free its blocks now.
+                self.engine.abort(request.request_id)
+                log.info("request_cancelled")
+            span.end()
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
+        index = request.index if request.HasField("index") else None
+        aborted = self.engine.abort(request.request_id, index)
+        log.info("request_aborted", request_id=request.request_id, index=index, was_live=aborted)
+        return engine_pb2.AbortResponse(aborted=aborted)
+
+    async def Stats(self, request: engine_pb2.StatsRequest, context) -> engine_pb2.EngineStats:
+        return self.engine.stats()
+
+    async def GetEngineInfo(self, request: engine_pb2.EngineInfoRequest, context) -> engine_pb2.EngineInfo:
+        return self.engine.info()
+
+    async def RegisterWorker(
+        self, request: engine_pb2.RegisterWorkerRequest, context
+    ) -> engine_pb2.RegisterWorkerResponse:
+        response = await self.engine.register_worker(request)
+        # NOTE: SERVING before the answer: the worker watches our health right after and
+        # registers again if it sees anything else.
+        await self.sync_health()
+        return response
+
+
+def load_engine_facts(config: SchedulerServiceConfig) -> tuple[str, frozenset[int], int, int]:
+    """(model name, eos ids, max_model_len, vocab size) from the model's JSON files alone."""
+    model_dir = resolve_model(config.model)
+    generation = load_generation_info(model_dir)
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    max_model_len = min(config.max_model_len or generation.max_model_len, generation.max_model_len)
+    return (
+        model_name(model_dir),
+        frozenset(generation.eos_token_ids),
+        max_model_len,
+        int(hf_config.get("vocab_size", 0)),
+    )
+
+
+class SchedulerServer:
+    def __init__(self, config: SchedulerServiceConfig, engine: Engine):
+        self.config = config
+        self.engine = engine
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.servicer = EngineServicer(engine, self.sync_health)
+        engine_pb2_grpc.add_EngineServicer_to_server(self.servicer, self.server)
+        self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
+        engine.on_health_change = lambda _serving: asyncio.get_running_loop().create_task(self.sync_health())
+        self.port = 0
+        self._serving: bool | None = None
+
+    async def sync_health(self) -> None:
+        serving = bool(self.engine.healthy_workers())
+        if serving != self._serving:
+            self._serving = serving
+            await set_serving(self.health, [SERVICE_NAME], serving)
+            log.info("health", serving=serving, healthy_workers=len(self.engine.healthy_workers()))
+
+    async def start(self) -> None:
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
+        await self.server.start()
+        await self.sync_health()
+        log.info("serving", port=self.port, model=self.engine.model, max_model_len=self.engine.max_model_len)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await set_serving(self.health, [SERVICE_NAME], False)
+        await self.engine.close()
+        await self.server.stop(grace)
+
+
+async def serve(config: SchedulerServiceConfig) -> None:
+    model, eos, max_model_len, vocab_size = await asyncio.to_thread(load_engine_facts, config)
+    engine = Engine(config, model, eos, max_model_len, vocab_size)
+    server = SchedulerServer(config, engine)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping")
+    await server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = SchedulerServiceConfig.from_args(argv)
+    configure_logging("scheduler", config.log_level, json=config.log_json)
+    setup_tracing("pagedserve-scheduler")
+    try:
+        asyncio.run(serve(config))
+    except (FileNotFoundError, ValueError, RuntimeError) as error:
+        log.error("scheduler_failed", error=str(error))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

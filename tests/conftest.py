@@ -1,0 +1,16 @@
+"""Fixtures shared by the test modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The default model converted into the same cache `make serve` uses, so the ~20 s conversion
+    happens once per machine, not once per test run."""
+    from pagedserve.model_files import resolve_model
+
+    return resolve_model(None)
