@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast lint format proto bench bench-scheduler bench-worker bench-kernels gpu-check clean
+.PHONY: install serve test test-fast lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels gpu-check clean
 
 install: $(STAMP)
 
@@ -44,13 +44,27 @@ format: install
 proto: install
 	$(BIN)/python -m pagedserve.proto.generate
 
-bench: bench-scheduler bench-worker
+# Every CPU benchmark; each prints its table and writes JSON and plots into bench/results/.
+bench: bench-scheduler bench-worker bench-compare bench-memory bench-prefix
 
 bench-scheduler: install
 	$(BIN)/python bench/bench_scheduler.py
 
 bench-worker: install
 	$(BIN)/python bench/bench_worker.py
+
+# This stack against transformers (static batching and continuous batching) on one workload.
+# A quick run: make bench-compare BENCH_ARGS="--num-requests 8"
+bench-compare: install
+	$(BIN)/python bench/compare_transformers.py $(BENCH_ARGS)
+
+# Concurrent sequences that fit a KV budget: paging against contiguous allocation.
+bench-memory: install
+	$(BIN)/python bench/bench_memory.py
+
+# Time to first token with a shared system prompt, prefix caching on against off.
+bench-prefix: install
+	$(BIN)/python bench/bench_prefix.py
 
 bench-kernels: install
 	$(BIN)/python bench/bench_kernels.py

@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("pagedserve.worker_svc.server", "run one worker (model, KV pool, sampling)"),
     "scheduler": ("pagedserve.scheduler_svc.server", "run the scheduler (Engine service)"),
     "gateway": ("pagedserve.gateway.server", "run the gateway (OpenAI HTTP API and gRPC API)"),
-    "bench": ("pagedserve.bench", "benchmarks (bench serve: load generator)"),
+    "bench": ("pagedserve.bench", "benchmarks: serve (load generator), throughput (offline)"),
     "prepare-model": ("pagedserve.prepare_model", "convert the model into the cache once and print its folder"),
     "healthcheck": ("pagedserve.healthcheck", "exit 0 when a gRPC or HTTP service is healthy (container checks)"),
 }

@@ -1,0 +1,401 @@
+"""The offline API, in the shape vLLM users know: `LLM(...).generate(prompts, SamplingParams(...))`.
+
+It runs the same scheduler and worker code as the server, in one process and without gRPC: one
+`Scheduler` + `PlanBuilder` (scheduler_svc) and one `ModelRunner` (worker_svc) over the loaded model
+and its KV pool, driven by the loop
+
+    schedule() -> PlanBuilder.build() -> ModelRunner.execute(plan) -> update_from_output()
+
+with continuous batching, chunked prefill, prefix caching and preemption exactly as served. Text is
+the gateway's business there and here alike: prompts are tokenized (chat template for `chat`), token
+ids are turned into text with the gateway's `IncrementalDetokenizer`, and stop strings are matched with
+its `StopStringMatcher`; once every sequence of a request hit a stop string the request is aborted
+at the scheduler, which frees its blocks.
+
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM()  # the default model (SmolLM2-135M-Instruct)
+    outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedserve.gateway.tokenization import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from pagedserve.model_files import load_generation_info, model_name, resolve_model
+from pagedserve.proto import common_pb2
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler_svc.config import SchedulerConfig
+from pagedserve.scheduler_svc.plan import PlanBuilder
+from pagedserve.scheduler_svc.request import Request
+from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
+from pagedserve.worker_svc.loader import load_model, parse_dtype
+from pagedserve.worker_svc.runner import ModelRunner
+from pagedserve.worker_svc.sampler import Sampler
+
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams"]
+
+_FINISH_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+# Step budget when the caller gives none (the server's default too).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float  # natural-log probability under the model's raw distribution
+    rank: int | None = None  # 1-based rank in the distribution (known for the sampled token)
+    decoded_token: str | None = None  # the token's text on its own
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    # Which of the request's n sequences, 0-based.
+    index: int
+    # Generated text, stop string cut off (unless include_stop_str_in_output).
+    text: str
+    # Generated token ids (the one that ended the sequence included).
+    token_ids: list[int]
+    # "stop" (EOS, stop token id or stop string), "length" (max_tokens or context), or "abort".
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended it, when one did.
+    stop_reason: str | int | None = None
+    # Per token: token id -> Logprob for the sampled token and the top alternatives; None unless asked.
+    logprobs: list[dict[int, Logprob]] | None = None
+    # Sum of the sampled tokens' log-probabilities, when logprobs were asked.
+    cumulative_logprob: float | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    # time.perf_counter() when the request entered the scheduler, in s.
+    arrival_time: float
+    # When its first token (of any sequence) came back; None if none did.
+    first_token_time: float | None = None
+    # When its last sequence finished.
+    finished_time: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    # The prompt text (None when given as token ids).
+    prompt: str | None
+    prompt_token_ids: list[int]
+    # One per sequence, by index.
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    # Prompt tokens served by the prefix cache.
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """Text state of one of a request's sequences."""
+
+    detok: IncrementalDetokenizer
+    stopper: StopStringMatcher
+    output: CompletionOutput
+    pieces: list[str] = field(default_factory=list)
+    done: bool = False  # finished by the scheduler, or by a stop string here
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """One request of a generate() call."""
+
+    position: int  # index in the caller's list
+    params: SamplingParams
+    stop_ids: frozenset[int]  # EOS and stop token ids: their text is hidden
+    sequences: list[_Sequence]
+    result: RequestOutput
+
+
+class LLM:
+    """An in-process engine over the server's own scheduler and worker code (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory: int | None = None,
+        num_blocks: int | None = None,
+        seed: int = 0,
+        device: str = "cpu",
+    ):
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device_ = torch.device(device)
+        self.model_dir = resolve_model(model)
+        self.model_name = model_name(self.model_dir)
+        self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
+        generation = load_generation_info(self.model_dir)
+        self.eos_token_ids = frozenset(generation.eos_token_ids)
+        self.dtype = parse_dtype(dtype, device_)
+        torch.manual_seed(seed)
+        self.model = load_model(self.model_dir, self.dtype, device_)
+        mc = self.model.config
+        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, block_size, self.dtype)
+        num_blocks = resolve_num_blocks(spec, device_, num_blocks, kv_cache_memory)
+        # NOTE: a sequence must fit the pool alone, so a small pool shortens the context (as the
+        # server's engine does) instead of refusing every long request.
+        self.max_model_len = min(
+            max_model_len or generation.max_model_len, mc.max_position, num_blocks * block_size
+        )
+        self.kv_cache = KVCache(spec, num_blocks, device_)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, self.max_model_len, Sampler(mc.vocab_size, device_, seed=seed)
+        )
+        self.scheduler_config = SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(
+                max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs
+            ),
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(self.scheduler_config)
+        self.plan_builder = PlanBuilder()
+        self._request_ids = itertools.count()
+
+    # ------------------------------------------------------------------ public API
+
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer."""
+        return self.tokenizer.hf
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Sequence[dict],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}
+        dicts); the outputs come back in input order."""
+        inputs = [self._encode(p) for p in _as_prompt_list(prompts)]
+        return self._run(inputs, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        inputs = []
+        for conversation in conversations:
+            text = self.tokenizer.render_chat(list(conversation), add_generation_prompt)
+            # The rendered template already holds the special tokens (BOS and role markers).
+            inputs.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(inputs, sampling_params, use_tqdm)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _encode(self, prompt: str | Sequence[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
+
+    def _run(
+        self,
+        inputs: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(inputs)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(inputs):
+            raise ValueError(f"{len(params)} sampling params for {len(inputs)} prompts")
+        tracked: dict[str, _Tracked] = {}
+        for position, ((text, token_ids), sp) in enumerate(zip(inputs, params, strict=True)):
+            self._check_prompt(token_ids, sp)
+            request_id = str(next(self._request_ids))
+            tracked[request_id] = self._add_request(request_id, position, text, token_ids, sp)
+        results = [t.result for t in tracked.values()]
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(tracked), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        try:
+            self._loop(tracked, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+            # NOTE: on an error (or KeyboardInterrupt) the requests of this call are aborted so the
+            # next call starts from a clean scheduler.
+            for request_id in list(tracked):
+                self.scheduler.abort_request(request_id)
+        return results
+
+    def _check_prompt(self, token_ids: list[int], sp: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("a prompt needs at least one token")
+        vocab = self.model.config.vocab_size
+        if not all(0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"a prompt of {len(token_ids)} tokens leaves no room under max_model_len={self.max_model_len}"
+            )
+        if sp.max_tokens is not None and len(token_ids) + sp.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"{len(token_ids)} prompt tokens + max_tokens={sp.max_tokens} exceed max_model_len={self.max_model_len}"
+            )
+
+    def _add_request(
+        self, request_id: str, position: int, text: str | None, token_ids: list[int], sp: SamplingParams
+    ) -> _Tracked:
+        proto = sp.to_proto()
+        del proto.stop[:]  # stop strings are matched here, on the text
+        req = Request(
+            request_id=request_id,
+            token_ids=list(token_ids),
+            prompt_len=len(token_ids),
+            sampling=proto,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=time.time(),
+        )
+        arrival = time.perf_counter()
+        self.scheduler.add_request(req)
+        sequences = [
+            _Sequence(
+                IncrementalDetokenizer(self.tokenizer, token_ids, sp.skip_special_tokens),
+                StopStringMatcher(sp.stop or (), sp.include_stop_str_in_output),
+                CompletionOutput(
+                    index=i, text="", token_ids=[], logprobs=[] if sp.logprobs is not None else None
+                ),
+            )
+            for i in range(sp.n)
+        ]
+        result = RequestOutput(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=list(token_ids),
+            outputs=[s.output for s in sequences],
+            metrics=RequestMetrics(arrival_time=arrival),
+        )
+        stop_ids = frozenset(sp.stop_token_ids or ()) | (frozenset() if sp.ignore_eos else self.eos_token_ids)
+        return _Tracked(position, sp, stop_ids, sequences, result)
+
+    def _loop(self, tracked: dict[str, _Tracked], bar: Any) -> None:
+        scheduler, builder, runner = self.scheduler, self.plan_builder, self.runner
+        live = set(tracked)
+        idle_steps = 0
+        while live:
+            out = scheduler.schedule()
+            result = runner.execute(builder.build(out))
+            now = time.perf_counter()
+            if not out.scheduled:
+                idle_steps += 1
+                # NOTE: add_request refuses what can never fit, so two empty steps in a row mean a bug.
+                assert idle_steps < 2 or out.finished, "the scheduler scheduled nothing with requests live"
+            else:
+                idle_steps = 0
+            for ro in scheduler.update_from_output(out, result):
+                t = tracked.get(ro.request_id)
+                if t is None or ro.request_id not in live:
+                    continue
+                metrics = t.result.metrics
+                if metrics.first_token_time is None and ro.new_token_ids:
+                    metrics.first_token_time = now
+                t.result.num_cached_tokens = ro.num_cached_tokens
+                seq = t.sequences[ro.index]
+                if not seq.done:
+                    self._consume(t, seq, ro)
+                if all(s.done for s in t.sequences):
+                    live.discard(ro.request_id)
+                    t.result.finished = True
+                    metrics.finished_time = now
+                    # Sequences that stopped on a stop string still run at the scheduler.
+                    scheduler.abort_request(ro.request_id)
+                    if bar is not None:
+                        bar.update(1)
+
+    def _consume(self, t: _Tracked, seq: _Sequence, ro: Any) -> None:
+        """Append one update's tokens to a sequence's text (the gateway's rules: the text of the token that
+        stopped the sequence, EOS or a stop token id, is hidden unless include_stop_str_in_output)."""
+        out = seq.output
+        finish = _FINISH_NAMES.get(ro.finish_reason)
+        sp = t.params
+        for k, token_id in enumerate(ro.new_token_ids):
+            out.token_ids.append(token_id)
+            if ro.logprobs is not None and out.logprobs is not None:
+                self._add_logprobs(out, ro.logprobs[k])
+            last = k == len(ro.new_token_ids) - 1
+            if last and finish == "stop" and token_id in t.stop_ids and not sp.include_stop_str_in_output:
+                break
+            text, matched = seq.stopper.add(seq.detok.add(token_id))
+            seq.pieces.append(text)
+            if matched is not None:
+                self._finish(seq, "stop", matched)
+                return
+        if finish is None:
+            return
+        text, matched = seq.stopper.add(seq.detok.flush())
+        seq.pieces.append(text)
+        if matched is not None:
+            self._finish(seq, "stop", matched)
+            return
+        seq.pieces.append(seq.stopper.flush())
+        stop_reason = ro.stop_token_id if ro.stop_token_id in (sp.stop_token_ids or ()) else None
+        self._finish(seq, finish, stop_reason)
+
+    def _add_logprobs(self, out: CompletionOutput, lp: common_pb2.TokenLogprob) -> None:
+        text = self.tokenizer.token_text
+        entry = {lp.token_id: Logprob(lp.logprob, lp.rank, text(lp.token_id))}
+        for rank, (tid, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1):
+            entry.setdefault(tid, Logprob(value, rank, text(tid)))
+        out.logprobs.append(entry)
+        out.cumulative_logprob = (out.cumulative_logprob or 0.0) + lp.logprob
+
+    @staticmethod
+    def _finish(seq: _Sequence, reason: str, stop_reason: str | int | None) -> None:
+        seq.done = True
+        seq.output.text = "".join(seq.pieces)
+        seq.output.finish_reason = reason
+        seq.output.stop_reason = stop_reason
+
+
+def _as_prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (a string, a token id list, a dict) or a list of them, as a list."""
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return prompts

@@ -1,0 +1,94 @@
+"""`SamplingParams` of the offline API, with vLLM's names and defaults; converts to the wire proto."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.proto import common_pb2
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    # Sequences generated from the prompt.
+    n: int = 1
+    # Softmax temperature; 0 is greedy.
+    temperature: float = 1.0
+    # Nucleus sampling mass, in (0, 1].
+    top_p: float = 1.0
+    # Keep the k most likely tokens; 0 or -1: no limit.
+    top_k: int = 0
+    # Drop tokens below min_p times the most likely token's probability, in [0, 1].
+    min_p: float = 0.0
+    # Seed of this request's draws (sequence i of n uses seed + i); None: the LLM's generator.
+    seed: int | None = None
+    # Most tokens generated per sequence; None: up to the context length.
+    max_tokens: int | None = 16
+    # Tokens generated before EOS or a stop token id may end a sequence.
+    min_tokens: int = 0
+    # Strings that end a sequence; the text is cut before them.
+    stop: str | list[str] | None = None
+    # Token ids that end a sequence, besides the model's EOS tokens.
+    stop_token_ids: list[int] | None = None
+    # Keep generating past EOS tokens.
+    ignore_eos: bool = False
+    # OpenAI-style penalties on tokens already generated, in [-2, 2].
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # > 1 discourages tokens seen in prompt or output.
+    repetition_penalty: float = 1.0
+    # Log-probabilities of each sampled token and of this many alternatives (0..20); None: none.
+    logprobs: int | None = None
+    # Drop special tokens from the text.
+    skip_special_tokens: bool = True
+    # Keep the matched stop string at the end of the text.
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, not {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, not {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be -1, 0 or positive, not {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], not {self.min_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, not {self.max_tokens}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be in 0..max_tokens, not {self.min_tokens}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, not {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in 0..20, not {self.logprobs}")
+
+    def to_proto(self) -> common_pb2.SamplingParams:
+        """The proto the scheduler and worker take (stop strings included; the offline loop applies them)."""
+        sp = common_pb2.SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids or [],
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+        if self.seed is not None:
+            sp.seed = self.seed
+        if self.max_tokens is not None:
+            sp.max_tokens = self.max_tokens
+        if self.logprobs is not None:
+            sp.logprobs = self.logprobs
+        return sp
