@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from pagedserve.kernels import cuda_ops
 
 HEADS = [(32, 32), (32, 8), (64, 8), (28, 4)]

@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+
 from pagedserve.kernels import reference
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16

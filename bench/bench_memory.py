@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from pagedserve.model_files import load_generation_info, resolve_model
 from pagedserve.proto import common_pb2, worker_pb2
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.request import Request
@@ -33,8 +35,6 @@ from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.worker_svc.kv_cache import KVCacheSpec
 from pagedserve.worker_svc.loader import parse_dtype
 from pagedserve.worker_svc.model import ModelConfig
-
-from pagedserve.model_files import load_generation_info, resolve_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
+
+from pagedserve.model_files import resolve_model
 from pagedserve.proto import common_pb2, worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec
 from pagedserve.worker_svc.loader import load_model, parse_dtype
 from pagedserve.worker_svc.runner import ModelRunner
-from tqdm import tqdm
-
-from pagedserve.model_files import resolve_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Largest B x C the pool is sized for (the default model needs 46 KB of float32 KV per token).

@@ -37,11 +37,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pagedserve.worker_svc.loader import parse_dtype
 from tqdm import tqdm
 
 from pagedserve.bench.datasets import PromptMaker
 from pagedserve.model_files import load_tokenizer, resolve_model
+from pagedserve.worker_svc.loader import parse_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_worker import measure_matmul_flops

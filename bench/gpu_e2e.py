@@ -14,6 +14,7 @@ import sys
 import time
 
 import torch
+
 from pagedserve.kernels import cuda_ops, reference
 from pagedserve.worker_svc import model as model_mod
 

@@ -1,7 +1,5 @@
-"""The gateway's one config object, from CLI flags, PAGEDSERVE_* environment variables and defaults.
-
-Precedence: flag, then environment variable, then default.
-"""
+"""The gateway's one config object, from CLI flags, PAGEDSERVE_* environment variables and defaults
+(pagedserve/flags.py: the flag wins over its variable, the variable over the default)."""
 
 from __future__ import annotations
 
@@ -9,6 +7,9 @@ import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from pagedserve.flags import EnvFlags
+from pagedserve.grpc_utils import TLSConfig
 
 
 @dataclass(slots=True, frozen=True)
@@ -20,42 +21,60 @@ class GatewayConfig:
     model: str = "default"  # model spec (folder, .gguf or "default") for the tokenizer and chat template
     served_model_name: str | None = None  # name clients pass as `model`; None: the model's own name
     api_key: str | None = None  # when set, /v1 paths need "Authorization: Bearer <key>"
+    api_keys: tuple[str, ...] = ()  # more accepted keys, one per tenant (each its own prefix-cache partition)
     max_body_bytes: int = 32 * 1024 * 1024  # larger request bodies are refused with 413
+    max_n: int = 16  # most sequences (`n`) one request may ask for
+    shutdown_timeout: float = 30.0  # seconds SIGTERM waits for running requests (new ones get 503)
+    tls_cert: str | None = None  # PEM certificate presented to the scheduler (mutual TLS)
+    tls_key: str | None = None  # its private key
+    tls_ca: str | None = None  # PEM CA the scheduler's certificate must chain to; enables TLS
     log_level: str = "info"  # structlog level
     vllm_metric_aliases: bool = True  # also export every metric under vLLM's `vllm:` names
+
+    @property
+    def tls(self) -> TLSConfig:
+        return TLSConfig(self.tls_cert, self.tls_key, self.tls_ca)
+
+    def all_api_keys(self) -> tuple[str, ...]:
+        return tuple(k for k in (self.api_key, *self.api_keys) if k)
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> GatewayConfig:
         env = os.environ if env is None else env
-        defaults = cls()
-
-        def default(name: str, kind=str):
-            value = env.get(f"PAGEDSERVE_{name.upper()}")
-            if value is None or value == "":
-                return getattr(defaults, name)
-            if kind is bool:
-                return value.strip().lower() in ("1", "true", "yes", "on")
-            return kind(value)
-
+        d = cls()
         parser = argparse.ArgumentParser(
-            prog="pagedserve gateway", description="OpenAI-compatible HTTP API and public gRPC API"
+            prog="pagedserve gateway", description="OpenAI-compatible HTTP API and public gRPC API."
         )
-        parser.add_argument("--host", default=default("host"))
-        parser.add_argument("--port", type=int, default=default("port", int))
-        parser.add_argument("--grpc-port", type=int, default=default("grpc_port", int))
-        parser.add_argument("--scheduler", default=default("scheduler"), help="host:port of the Engine")
-        parser.add_argument("--model", default=default("model"), help="model folder, .gguf or 'default'")
-        parser.add_argument("--served-model-name", default=default("served_model_name"))
-        parser.add_argument("--api-key", default=default("api_key"))
-        parser.add_argument("--max-body-bytes", type=int, default=default("max_body_bytes", int))
-        parser.add_argument("--log-level", default=default("log_level"))
-        parser.add_argument(
-            "--vllm-metric-aliases",
-            action=argparse.BooleanOptionalAction,
-            default=default("vllm_metric_aliases", bool),
-        )
+        flags = EnvFlags(parser, env)
+        add = flags.add
+        add("--host", str, "address the HTTP and gRPC servers listen on", d.host)
+        add("--port", int, "HTTP port of the OpenAI API", d.port)
+        add("--grpc-port", int, "port of the public TextGeneration gRPC API; 0: none", d.grpc_port)
+        add("--scheduler", str, "host:port of the scheduler's Engine service", d.scheduler)
+        add("--model", str, "model folder, .gguf or 'default' (tokenizer and chat template)", d.model)
+        add("--served-model-name", str, "name clients pass as `model` (default: the model's)")
+        add("--api-key", str, "when set, /v1 paths need `Authorization: Bearer <key>`")
+        add("--api-keys", _key_list, "comma-separated accepted keys, one per tenant", d.api_keys)
+        add("--max-body-bytes", int, "larger request bodies get 413", d.max_body_bytes)
+        add("--max-n", int, "largest n per request", d.max_n)
+        add("--shutdown-timeout", float, "seconds SIGTERM waits for running requests", d.shutdown_timeout)
+        add("--tls-cert", str, "PEM client certificate presented to the scheduler (mutual TLS)")
+        add("--tls-key", str, "private key of --tls-cert")
+        add("--tls-ca", str, "PEM CA of the scheduler's certificate; enables TLS")
+        add("--log-level", str, "debug, info, warning, error", d.log_level)
+        flags.add_bool("--vllm-metric-aliases", "also export metrics under vLLM's `vllm:` names", True)
         args = parser.parse_args(argv)
         config = cls(**vars(args))
         if config.max_body_bytes <= 0:
             parser.error("--max-body-bytes must be positive")
+        if config.max_n <= 0:
+            parser.error("--max-n must be positive")
+        try:
+            config.tls  # noqa: B018 -- checks the TLS flags go together and the files exist
+        except ValueError as error:
+            parser.error(str(error))
         return config
+
+
+def _key_list(text: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in text.split(",") if k.strip())

@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry.context import Context
-from pagedserve.proto import engine_pb2, engine_pb2_grpc
 
 from pagedserve.errors import from_grpc_error
-from pagedserve.grpc_utils import CHANNEL_OPTIONS
+from pagedserve.grpc_utils import PLAINTEXT, TLSConfig, open_channel, open_sync_channel
 from pagedserve.logging import get_logger
+from pagedserve.proto import engine_pb2, engine_pb2_grpc
 from pagedserve.tracing import inject_metadata
 
 log = get_logger(__name__)
@@ -26,9 +26,12 @@ ABORT_TIMEOUT_S = 5.0
 
 
 class EngineClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, tls: TLSConfig = PLAINTEXT):
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.tls = tls
+        # NOTE: the channel reconnects by itself (within ~2 s, see CHANNEL_OPTIONS) when the scheduler
+        # restarts; calls made while it is down fail at once with UNAVAILABLE (a 503 to the client).
+        self._channel = open_channel(address, tls)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._background: set[asyncio.Task] = set()  # aborts in flight, kept referenced until done
         self._sync_channel: grpc.Channel | None = None
@@ -82,7 +85,7 @@ class EngineClient:
     def stats_sync(self, timeout: float = INFO_TIMEOUT_S) -> engine_pb2.EngineStats:
         """Blocking Stats, for prometheus_client's collectors (run in a thread, never on the loop)."""
         if self._sync_channel is None:
-            self._sync_channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._sync_channel = open_sync_channel(self.address, self.tls)
         stub = engine_pb2_grpc.EngineStub(self._sync_channel)
         try:
             return stub.Stats(engine_pb2.StatsRequest(), timeout=timeout)

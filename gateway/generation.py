@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from pagedserve.proto import common_pb2, engine_pb2
 
 from pagedserve.errors import InvalidRequestError, ModelNotFoundError, UnavailableError
 from pagedserve.logging import get_logger
+from pagedserve.proto import common_pb2, engine_pb2
 
 from .engine_client import EngineClient
 from .tokenization import IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -109,10 +109,11 @@ class _Choice:
 
 
 class GenerationCore:
-    def __init__(self, engine: EngineClient | None, tokenizer: Tokenizer, model: ModelInfo):
+    def __init__(self, engine: EngineClient | None, tokenizer: Tokenizer, model: ModelInfo, max_n: int = 16):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model = model
+        self.max_n = max_n  # most sequences one request may ask for (--max-n)
 
     # ---- building a request: every check happens here, before anything is sent ----
 
@@ -169,6 +170,8 @@ class GenerationCore:
         priority: int = 0,
         trace_context: Context | None = None,
     ) -> GenerationRequest:
+        if sp.n > self.max_n:
+            raise InvalidRequestError(f"n must be between 1 and {self.max_n}, got {sp.n}", "n")
         for prompt in prompts:
             self.check_token_ids(prompt.token_ids, param)
         sampling = [self.sampling_for_prompt(sp, len(p.token_ids), param, max_tokens_param) for p in prompts]

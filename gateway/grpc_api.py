@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import grpc
 import structlog
-from pagedserve.proto import common_pb2, text_generation_pb2, text_generation_pb2_grpc
 
-from pagedserve.errors import InvalidRequestError, PagedServeError, abort_with
+from pagedserve.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    PagedServeError,
+    UnavailableError,
+    abort_with,
+)
 from pagedserve.logging import get_logger
+from pagedserve.proto import common_pb2, text_generation_pb2, text_generation_pb2_grpc
 from pagedserve.tracing import extract_context
 
+from .auth import ApiKeys, combined_salt
 from .generation import ChoiceDelta, GenerationCore, Prompt, UsageInfo, new_request_id
 from .protocol import check_sampling_params
 
@@ -24,14 +31,30 @@ _FINISH = {
 
 
 class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServicer):
-    def __init__(self, core: GenerationCore):
+    def __init__(self, core: GenerationCore, api_keys: ApiKeys | None = None):
         self.core = core
         self.tokenizer = core.tokenizer
+        self.api_keys = api_keys or ApiKeys(())
+        # Set by the server on SIGTERM: new generations are refused (UNAVAILABLE) while it drains.
+        self.draining = False
+
+    # NOTE: only Generate needs a key, as on HTTP only the engine-backed /v1 paths do: Tokenize,
+    # Detokenize and ListModels touch neither the engine nor the prefix cache.
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's tenant salt from its "authorization: Bearer <key>" metadata."""
+        metadata = dict(context.invocation_metadata() or ())
+        tenant = self.api_keys.tenant_from_header(metadata.get("authorization"))
+        if tenant is None:
+            raise AuthenticationError("Incorrect API key provided.", code="invalid_api_key")
+        return tenant
 
     async def Generate(self, request: text_generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         request_id = request.request_id or new_request_id("gen")
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
+            tenant = self._tenant(context)
+            if self.draining:
+                raise UnavailableError("the server is shutting down; retry later")
             self.core.check_model(request.model)
             sp = common_pb2.SamplingParams()
             sp.CopyFrom(request.sampling)
@@ -42,7 +65,7 @@ class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServicer):
                 sp,
                 request_id=request_id,
                 param="messages" if request.messages else "prompt",
-                cache_salt=request.cache_salt,
+                cache_salt=combined_salt(tenant, request.cache_salt),
                 priority=request.priority,
                 trace_context=extract_context(context.invocation_metadata()),
             )

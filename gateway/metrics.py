@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from pagedserve.proto import engine_pb2
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pagedserve.logging import get_logger
+from pagedserve.proto import engine_pb2
 
 log = get_logger(__name__)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -14,7 +13,6 @@ from typing import Any
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pagedserve.proto import common_pb2
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedserve import __version__
@@ -23,11 +21,16 @@ from pagedserve.errors import (
     InvalidRequestError,
     PagedServeError,
     PayloadTooLargeError,
+    UnavailableError,
     openai_error_body,
+    retry_after_seconds,
 )
 from pagedserve.logging import get_logger
+from pagedserve.proto import common_pb2
+from pagedserve.tracing import extract_context
 
 from . import metrics
+from .auth import ApiKeys, combined_salt
 from .config import GatewayConfig
 from .engine_client import EngineClient
 from .generation import (
@@ -64,16 +67,26 @@ class GatewayState:
     model: ModelInfo
     core: GenerationCore
     engine: EngineClient | None
+    # Set on SIGTERM: new API requests get 503 while the running ones finish.
+    draining: bool = False
+    # API requests being answered now (streams until their last byte).
+    in_flight: int = 0
 
 
 def create_app(
     config: GatewayConfig, tokenizer: Tokenizer, model: ModelInfo, engine: EngineClient | None
 ) -> FastAPI:
     """The HTTP app. Without an engine (engine=None) only the text endpoints work; the rest answer 503."""
-    state = GatewayState(config, tokenizer, model, GenerationCore(engine, tokenizer, model), engine)
+    core = GenerationCore(engine, tokenizer, model, max_n=config.max_n)
+    state = GatewayState(config, tokenizer, model, core, engine)
     app = FastAPI(title="pagedserve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = state
-    app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(
+        GuardMiddleware,
+        api_keys=ApiKeys(config.all_api_keys()),
+        max_body_bytes=config.max_body_bytes,
+        state=state,
+    )
     registry = None
     if engine is not None:
         registry = metrics.make_registry(
@@ -82,7 +95,9 @@ def create_app(
 
     @app.exception_handler(PagedServeError)
     async def _project_error(_request: Request, error: PagedServeError) -> JSONResponse:
-        return JSONResponse(openai_error_body(error), status_code=int(error.http_status))
+        return JSONResponse(
+            openai_error_body(error), status_code=int(error.http_status), headers=_headers(error)
+        )
 
     @app.exception_handler(_ClientGone)
     async def _client_gone(_request: Request, _error: _ClientGone) -> Response:
@@ -95,7 +110,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if engine is None:
+        if engine is None or state.draining:
             return Response(status_code=503)
         try:
             info = await engine.info(timeout=HEALTH_TIMEOUT_S)
@@ -207,14 +222,18 @@ def _build(
     structlog.contextvars.bind_contextvars(
         request_id=request_id, client_request_id=request.headers.get("x-request-id") or req.request_id
     )
+    if req.user:
+        structlog.contextvars.bind_contextvars(user=req.user)
     return state.core.build(
         prompts,
         sp,
         request_id=request_id,
         param=param,
         max_tokens_param=max_tokens_param,
-        cache_salt=req.cache_salt or "",
+        cache_salt=combined_salt(request.scope.get(TENANT_SCOPE_KEY, ""), req.cache_salt),
         priority=req.priority,
+        # A caller's W3C `traceparent` header makes the request's spans part of its trace.
+        trace_context=extract_context(request.headers.items()),
     )
 
 
@@ -535,32 +554,50 @@ class _ChatFormatter:
         }
 
 
-# ---- auth and body size (plain ASGI: runs before FastAPI parses anything) ----
+# ---- auth, body size, draining (plain ASGI: runs before FastAPI parses anything) ----
+
+# Where the middleware leaves the caller's tenant salt in the ASGI scope ("" without API keys).
+TENANT_SCOPE_KEY = "pagedserve.tenant"
 
 
 class GuardMiddleware:
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, api_keys: ApiKeys, max_body_bytes: int, state: GatewayState | None = None):
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.api_keys = api_keys
         self.max_body_bytes = max_body_bytes
+        self.state = state
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"].startswith("/v1"):
-            auth = headers.get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+        api = scope["path"].startswith("/v1")
+        if api:
+            tenant = self.api_keys.tenant_from_header(headers.get(b"authorization"))
+            if tenant is None:
                 error = AuthenticationError("Incorrect API key provided.", code="invalid_api_key")
                 await _send_error(send, error)
                 return
+            scope[TENANT_SCOPE_KEY] = tenant
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await _send_error(send, self._too_large())
             return
-        await self.app(scope, self._counting(receive), send)
+        state = self.state
+        if state is None or not api:
+            await self.app(scope, self._counting(receive), send)
+            return
+        if state.draining:
+            await _send_error(
+                send, UnavailableError("the server is shutting down; retry later", code="shutting_down")
+            )
+            return
+        state.in_flight += 1
+        try:
+            await self.app(scope, self._counting(receive), send)
+        finally:
+            state.in_flight -= 1
 
     def _too_large(self) -> PayloadTooLargeError:
         return PayloadTooLargeError(
@@ -582,10 +619,16 @@ class GuardMiddleware:
         return counted
 
 
+def _headers(error: PagedServeError) -> dict[str, str]:
+    retry_after = retry_after_seconds(error)
+    return {"Retry-After": str(retry_after)} if retry_after is not None else {}
+
+
 async def _send_error(send, error: PagedServeError) -> None:
     body = json.dumps(openai_error_body(error)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if isinstance(error, AuthenticationError):
         headers.append((b"www-authenticate", b"Bearer"))
+    headers += [(k.lower().encode(), v.encode()) for k, v in _headers(error).items()]
     await send({"type": "http.response.start", "status": int(error.http_status), "headers": headers})
     await send({"type": "http.response.body", "body": body})

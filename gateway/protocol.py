@@ -10,13 +10,19 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pagedserve.proto import common_pb2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pagedserve.errors import InvalidRequestError
+from pagedserve.proto import common_pb2
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+# Stop strings per request, and characters per stop string (each is matched on every new token).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+# Stop token ids and logit_bias entries per request.
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
 _UINT64_MASK = (1 << 64) - 1
 
 
@@ -264,6 +270,14 @@ def check_sampling_params(sp: common_pb2.SamplingParams, names: dict[str, str] |
             fail("logit_bias", f"values must be in [-100, 100], got {bias:g} for token {token_id}")
     if any(not s for s in sp.stop):
         fail("stop", "must not contain empty strings")
+    if len(sp.stop) > MAX_STOP_STRINGS:
+        fail("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(sp.stop)}")
+    if any(len(s) > MAX_STOP_CHARS for s in sp.stop):
+        fail("stop", f"strings may be at most {MAX_STOP_CHARS} characters long")
+    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        fail("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(sp.stop_token_ids)}")
+    if len(sp.logit_bias) > MAX_LOGIT_BIAS:
+        fail("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries, got {len(sp.logit_bias)}")
 
 
 def parse_request(model: type[_Request], body: bytes) -> Any:

@@ -5,16 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import time
 
 import grpc
 import uvicorn
-from pagedserve.proto import text_generation_pb2_grpc
 
 from pagedserve.errors import PagedServeError
 from pagedserve.grpc_utils import SERVER_OPTIONS, add_health_and_reflection, set_serving
 from pagedserve.logging import configure_logging, get_logger
+from pagedserve.proto import text_generation_pb2_grpc
 from pagedserve.tracing import setup_tracing
 
+from .auth import ApiKeys
 from .config import GatewayConfig
 from .engine_client import EngineClient
 from .generation import ModelInfo
@@ -58,23 +60,56 @@ async def follow_engine_info(engine: EngineClient, model: ModelInfo) -> None:
         return
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains on SIGTERM/SIGINT: API requests get 503 at once, the running ones finish
+    (up to the shutdown timeout), then it stops. A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, state, shutdown_timeout: float, on_drain=None):
+        super().__init__(config)
+        self.state = state
+        self.on_drain = on_drain
+        self.shutdown_timeout = shutdown_timeout
+        self._drain_task: asyncio.Task | None = None
+        self._loop = asyncio.get_event_loop()
+
+    def handle_exit(self, sig, frame) -> None:
+        # NOTE: not recorded in _captured_signals: uvicorn would raise it again on exit and the
+        # default handler would kill us before the gRPC server and the engine channel are closed.
+        if self.state.draining or self.should_exit:
+            self.should_exit = True
+            return
+        self.state.draining = True
+        if self.on_drain is not None:
+            self.on_drain()
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        log.info("draining", in_flight=self.state.in_flight, timeout=self.shutdown_timeout)
+        deadline = time.monotonic() + self.shutdown_timeout
+        while self.state.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        log.info("stopping", unfinished=self.state.in_flight)
+        self.should_exit = True
+
+
 async def serve(config: GatewayConfig, tokenizer: Tokenizer, model: ModelInfo) -> None:
-    engine = EngineClient(config.scheduler)
+    engine = EngineClient(config.scheduler, config.tls)
     app = create_app(config, tokenizer, model, engine)
     grpc_server = None
+    servicer = TextGenerationServicer(app.state.gateway.core, ApiKeys(config.all_api_keys()))
     if config.grpc_port:
         grpc_server = grpc.aio.server(options=SERVER_OPTIONS)
-        core = app.state.gateway.core
-        text_generation_pb2_grpc.add_TextGenerationServicer_to_server(
-            TextGenerationServicer(core), grpc_server
-        )
+        text_generation_pb2_grpc.add_TextGenerationServicer_to_server(servicer, grpc_server)
         health = add_health_and_reflection(grpc_server, [SERVICE_NAME])
         grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
         await grpc_server.start()
         await set_serving(health, [SERVICE_NAME], True)
         log.info("gRPC API listening", host=config.host, port=config.grpc_port)
     info_task = asyncio.create_task(follow_engine_info(engine, model))
-    http = uvicorn.Server(
+    http = DrainingServer(
         uvicorn.Config(
             app,
             host=config.host,
@@ -83,7 +118,10 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer, model: ModelInfo) -
             log_config=None,  # uvicorn logs through the project's structlog setup
             access_log=False,
             timeout_graceful_shutdown=GRPC_GRACE_S,
-        )
+        ),
+        app.state.gateway,
+        config.shutdown_timeout,
+        on_drain=lambda: setattr(servicer, "draining", True),
     )
     log.info(
         "HTTP API listening", host=config.host, port=config.port, model=model.name, scheduler=config.scheduler
@@ -95,7 +133,7 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer, model: ModelInfo) -
         with contextlib.suppress(asyncio.CancelledError):
             await info_task
         if grpc_server is not None:
-            await grpc_server.stop(GRPC_GRACE_S)
+            await grpc_server.stop(max(GRPC_GRACE_S, config.shutdown_timeout))
         await engine.close()
 
 

@@ -53,7 +53,17 @@ class Tokenizer:
         return cls(load_tokenizer(model_dir))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        try:
+            return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        except TypeError as error:
+            # NOTE: JSON may carry lone surrogates ("\ud800"), which are no Unicode text.
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequestError(
+                    "the prompt is not valid Unicode (lone surrogate)", "prompt"
+                ) from None
+            raise error
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # NOTE: no clean-up of tokenization spaces: it is not compositional, so incremental and full

@@ -59,14 +59,22 @@ class OverloadedError(PagedServeError):
     http_status = HTTPStatus.SERVICE_UNAVAILABLE
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     error_type = "server_overloaded"
+    # Seconds a client should wait before retrying (HTTP Retry-After).
+    retry_after = 1
 
 
 class UnavailableError(PagedServeError):
-    """No worker (or no scheduler) is there to serve the request right now."""
+    """No worker (or no scheduler) is there to serve the request right now, or it is shutting down."""
 
     http_status = HTTPStatus.SERVICE_UNAVAILABLE
     grpc_code = grpc.StatusCode.UNAVAILABLE
     error_type = "service_unavailable"
+    retry_after = 2
+
+
+def retry_after_seconds(error: PagedServeError) -> int | None:
+    """The Retry-After (seconds) to send with error, or None when retrying as is cannot help."""
+    return getattr(error, "retry_after", None)
 
 
 _BY_GRPC_CODE: dict[grpc.StatusCode, type[PagedServeError]] = {

@@ -3,8 +3,11 @@
 The model is resolved (a GGUF converted) once here, so every child loads the same folder. Children
 inherit stdout/stderr, so their JSON log lines (each carrying its "service") come out of this one
 terminal. Each child runs in its own process group, so stopping one also stops anything it started;
-on Ctrl-C or SIGTERM every child gets SIGTERM, then SIGKILL after a grace period. If a child dies
-unexpectedly the rest are stopped and the launcher exits non-zero.
+on Ctrl-C or SIGTERM the stack drains: the gateway and the scheduler get SIGTERM first (they refuse
+new requests and let the running ones finish, up to --shutdown-timeout), the workers only once the
+scheduler is gone, and anything still alive after the grace period gets SIGKILL. If a child dies
+unexpectedly the rest are stopped and the launcher exits non-zero. With --internal-tls the links
+between the processes are mutual TLS under a throwaway CA generated at start.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ import asyncio
 import contextlib
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -46,8 +51,9 @@ class LaunchConfig:
     device: str
     kv_cache_memory: str | None
     num_blocks: int | None
-    # Passed through to the gateway (None: no authentication).
+    # Passed through to the gateway (None: no authentication); api_keys: more keys, one per tenant.
     api_key: str | None
+    api_keys: str | None
     # Passed through to the scheduler (and the workers, for max_model_len and block_size).
     max_model_len: int | None
     max_num_seqs: int | None
@@ -59,8 +65,14 @@ class LaunchConfig:
     gateway: bool
     # Seconds to wait for every process to report healthy.
     startup_timeout: float
-    # Seconds between SIGTERM and SIGKILL when stopping.
+    # Seconds between SIGTERM and SIGKILL when stopping (on top of shutdown_timeout).
     stop_timeout: float
+    # Seconds the gateway and scheduler let running requests finish after SIGTERM.
+    shutdown_timeout: float
+    # Most waiting requests over all workers (the scheduler's bound); None: its default.
+    max_queued_requests: int | None
+    # Mutual TLS between the processes under a CA generated for this run.
+    internal_tls: bool
     log_level: str
 
 
@@ -80,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-memory", default=None, help="KV pool budget per worker, e.g. 2GiB")
     parser.add_argument("--num-blocks", type=int, default=None, help="exact KV blocks per worker")
     parser.add_argument("--api-key", default=env.get("PAGEDSERVE_API_KEY"), help="required bearer token")
+    parser.add_argument(
+        "--api-keys", default=env.get("PAGEDSERVE_API_KEYS"), help="comma-separated keys, one per tenant"
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -89,7 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--gateway", action=argparse.BooleanOptionalAction, default=True, help="start the gateway"
     )
     parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--stop-timeout", type=float, default=10.0)
+    parser.add_argument("--stop-timeout", type=float, default=10.0, help="SIGKILL this long after the drain")
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests may finish after SIGTERM",
+    )
+    parser.add_argument("--max-queued-requests", type=int, default=None, help="bound of the waiting queue")
+    parser.add_argument(
+        "--internal-tls",
+        action="store_true",
+        help="mutual TLS between gateway, scheduler and workers (throwaway CA generated at start)",
+    )
     parser.add_argument("--log-level", default=env.get("PAGEDSERVE_LOG_LEVEL", "info"))
     return parser
 
@@ -130,41 +157,48 @@ class Supervisor:
                 return name, code
         return None
 
-    def stop(self) -> None:
-        live = [(name, p) for name, p in reversed(self.children) if p.poll() is None]
-        for _name, process in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_timeout
-        for name, process in live:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("killing", process=name, after_seconds=self.stop_timeout)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+    def stop(self, first: Sequence[str] = (), drain_timeout: float = 0.0) -> None:
+        """SIGTERM the children named in `first` and give them drain_timeout (+ stop_timeout) to exit,
+        then the others; SIGKILL whatever outlives its grace period."""
+        early = [(n, p) for n, p in reversed(self.children) if n in first]
+        late = [(n, p) for n, p in reversed(self.children) if n not in first]
+        if early:
+            self._terminate(early, drain_timeout + self.stop_timeout)
+        self._terminate(late, self.stop_timeout)
         # Anything a child left in its group (its own children) goes too.
         for _name, process in self.children:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
+
+    def _terminate(self, children: list[tuple[str, subprocess.Popen]], timeout: float) -> None:
+        live = [(name, p) for name, p in children if p.poll() is None]
+        for _name, process in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name, process in live:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("killing", process=name, after_seconds=timeout)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
 
 
 class _Stop(Exception):
     pass
 
 
-def _engine_ready(address: str, workers: int) -> bool:
+def _engine_ready(address: str, workers: int, tls) -> bool:
     """The scheduler is SERVING and all `workers` registered."""
-    import grpc
-
-    from pagedserve.grpc_utils import check_health
+    from pagedserve.grpc_utils import check_health, open_channel
     from pagedserve.proto import engine_pb2, engine_pb2_grpc
 
     async def probe() -> bool:
-        if not await check_health(address, timeout=1.0):
+        if not await check_health(address, timeout=1.0, tls=tls):
             return False
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with open_channel(address, tls) as channel:
             info = await engine_pb2_grpc.EngineStub(channel).GetEngineInfo(
                 engine_pb2.EngineInfoRequest(), timeout=1.0
             )
@@ -194,14 +228,23 @@ def _wait_until(ready, supervisor: Supervisor, what: str, deadline: float) -> No
         time.sleep(0.25)
 
 
-def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, scheduler_port: int):
+def _tls_args(certs, server: bool) -> list[str]:
+    if certs is None:
+        return []
+    args = ["--tls-cert", str(certs.cert), "--tls-key", str(certs.key), "--tls-ca", str(certs.ca)]
+    return [*args, "--tls-require-client-cert"] if server else args
+
+
+def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, scheduler_port: int, certs=None):
     level = ["--log-level", config.log_level]
     scheduler = ["scheduler", "--model", model_dir, "--host", LOOPBACK, "--port", str(scheduler_port)]
-    scheduler += ["--block-size", str(config.block_size), *level]
+    scheduler += ["--block-size", str(config.block_size), *level, *_tls_args(certs, server=True)]
+    scheduler += ["--shutdown-timeout", str(config.shutdown_timeout)]
     for flag, value in [
         ("--max-model-len", config.max_model_len),
         ("--max-num-seqs", config.max_num_seqs),
         ("--max-num-batched-tokens", config.max_num_batched_tokens),
+        ("--max-queued-requests", config.max_queued_requests),
     ]:
         if value is not None:
             scheduler += [flag, str(value)]
@@ -210,6 +253,7 @@ def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, sched
         worker = ["worker", "--model", model_dir, "--host", LOOPBACK, "--port", "0"]
         worker += ["--scheduler", engine_address, "--worker-id", f"worker-{i}", "--dtype", config.dtype]
         worker += ["--device", config.device, "--block-size", str(config.block_size), *level]
+        worker += _tls_args(certs, server=True)
         for flag, value in [
             ("--kv-cache-memory", config.kv_cache_memory),
             ("--num-blocks", config.num_blocks),
@@ -222,7 +266,9 @@ def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, sched
     gateway += ["--grpc-port", str(config.grpc_port), "--scheduler", engine_address, "--model", model_dir]
     if config.api_key:
         gateway += ["--api-key", config.api_key]
-    gateway += level
+    if config.api_keys:
+        gateway += ["--api-keys", config.api_keys]
+    gateway += ["--shutdown-timeout", str(config.shutdown_timeout), *_tls_args(certs, server=False), *level]
     return scheduler, workers, gateway
 
 
@@ -235,7 +281,18 @@ def serve(config: LaunchConfig) -> int:
     with_gateway = config.gateway and importlib.util.find_spec("pagedserve.gateway.server") is not None
     if config.gateway and not with_gateway:
         log.warning("the gateway is not available in this version; serving the Engine service only")
-    scheduler_args, worker_args, gateway_args = _child_args(config, model_dir, engine_address, scheduler_port)
+    from pagedserve.grpc_utils import PLAINTEXT, TLSConfig
+
+    certs, tls, tls_dir = None, PLAINTEXT, None
+    if config.internal_tls:
+        from pagedserve.internal_tls import generate
+
+        tls_dir = tempfile.mkdtemp(prefix="pagedserve-tls-")
+        certs = generate(tls_dir)
+        tls = TLSConfig(str(certs.cert), str(certs.key), str(certs.ca))
+    scheduler_args, worker_args, gateway_args = _child_args(
+        config, model_dir, engine_address, scheduler_port, certs
+    )
 
     def on_signal(signum, _frame):
         raise _Stop(signal.Signals(signum).name)
@@ -250,7 +307,10 @@ def serve(config: LaunchConfig) -> int:
             supervisor.start("gateway", gateway_args)
         deadline = time.monotonic() + config.startup_timeout
         _wait_until(
-            lambda: _engine_ready(engine_address, config.workers), supervisor, "scheduler+workers", deadline
+            lambda: _engine_ready(engine_address, config.workers, tls),
+            supervisor,
+            "scheduler+workers",
+            deadline,
         )
         http_host = LOOPBACK if config.host in ("0.0.0.0", "::", "") else config.host
         if with_gateway:
@@ -264,7 +324,7 @@ def serve(config: LaunchConfig) -> int:
         if with_gateway:
             lines.append(f"  OpenAI API:  http://{http_host}:{config.port}/v1")
             lines.append(f"  gRPC API:    {http_host}:{config.grpc_port}")
-        lines.append(f"  Engine:      {engine_address} (internal)")
+        lines.append(f"  Engine:      {engine_address} (internal{', mutual TLS' if certs else ''})")
         lines.append("Press Ctrl-C to stop.")
         print("\n".join(lines), flush=True)
         while True:
@@ -283,9 +343,12 @@ def serve(config: LaunchConfig) -> int:
         # A second Ctrl-C while stopping must not leave children behind.
         for s in previous:
             signal.signal(s, signal.SIG_IGN)
-        supervisor.stop()
+        # NOTE: the workers stop last: requests still running when the drain starts need them.
+        supervisor.stop(first=("gateway", "scheduler"), drain_timeout=config.shutdown_timeout)
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if tls_dir is not None:
+            shutil.rmtree(tls_dir, ignore_errors=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,29 +25,33 @@ _sym_db = _symbol_database.Default()
 from pagedserve.proto import common_pb2 as pagedserve_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpagedserve/proto/worker.proto\x12\rpagedserve.v1\x1a\x1dpagedserve/proto/common.proto\"\xa3\x01\n\nNewRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\"\xdf\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66inished_slots\x18\x02 \x03(\r\x12\x17\n\x0fpreempted_slots\x18\x03 \x03(\r\x12/\n\x0cnew_requests\x18\x04 \x03(\x0b\x32\x19.pagedserve.v1.NewRequest\x12\x17\n\x0f\x63opy_src_blocks\x18\x05 \x03(\r\x12\x17\n\x0f\x63opy_dst_blocks\x18\x06 \x03(\r\x12\r\n\x05slots\x18\x07 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x08 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\t \x03(\r\x12\x15\n\rnew_block_ids\x18\n \x03(\r\x12\x16\n\x0ereplaced_slots\x18\x0b \x03(\r\x12\x1e\n\x16replaced_block_indices\x18\x0c \x03(\r\x12\x1a\n\x12replaced_block_ids\x18\r \x03(\r\"e\n\x0ePromptLogprobs\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\x81\x01\n\x0bStepTimings\x12\x14\n\x0cidle_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprepare_seconds\x18\x02 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12\x16\n\x0esample_seconds\x18\x04 \x01(\x01\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\"\xac\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x15\n\rsampled_slots\x18\x02 \x03(\r\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\r\x12\x18\n\x10sampled_logprobs\x18\x04 \x03(\x02\x12\x15\n\rsampled_ranks\x18\x05 \x03(\r\x12\x18\n\x10num_top_logprobs\x18\x06 \x03(\r\x12\x15\n\rtop_token_ids\x18\x07 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\x12\x36\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs\x12+\n\x07timings\x18\n \x01(\x0b\x32\x1a.pagedserve.v1.StepTimings\"\x0e\n\x0cResetRequest\"\x12\n\x10ModelInfoRequest\"\xf4\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x0b \x01(\x04\x12\x15\n\reos_token_ids\x18\x0c \x03(\r2\xd4\x01\n\x06Worker\x12?\n\x05Steps\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepResult(\x01\x30\x01\x12>\n\x05Reset\x12\x1b.pagedserve.v1.ResetRequest\x1a\x18.pagedserve.v1.ModelInfo\x12I\n\x0cGetModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpagedserve/proto/worker.proto\x12\rpagedserve.v1\x1a\x1dpagedserve/proto/common.proto\"\x9c\x02\n\nNewRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x42\n\rtrace_context\x18\x07 \x03(\x0b\x32+.pagedserve.v1.NewRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xdf\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66inished_slots\x18\x02 \x03(\r\x12\x17\n\x0fpreempted_slots\x18\x03 \x03(\r\x12/\n\x0cnew_requests\x18\x04 \x03(\x0b\x32\x19.pagedserve.v1.NewRequest\x12\x17\n\x0f\x63opy_src_blocks\x18\x05 \x03(\r\x12\x17\n\x0f\x63opy_dst_blocks\x18\x06 \x03(\r\x12\r\n\x05slots\x18\x07 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x08 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\t \x03(\r\x12\x15\n\rnew_block_ids\x18\n \x03(\r\x12\x16\n\x0ereplaced_slots\x18\x0b \x03(\r\x12\x1e\n\x16replaced_block_indices\x18\x0c \x03(\r\x12\x1a\n\x12replaced_block_ids\x18\r \x03(\r\"e\n\x0ePromptLogprobs\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\x81\x01\n\x0bStepTimings\x12\x14\n\x0cidle_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprepare_seconds\x18\x02 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12\x16\n\x0esample_seconds\x18\x04 \x01(\x01\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\"\xac\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x15\n\rsampled_slots\x18\x02 \x03(\r\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\r\x12\x18\n\x10sampled_logprobs\x18\x04 \x03(\x02\x12\x15\n\rsampled_ranks\x18\x05 \x03(\r\x12\x18\n\x10num_top_logprobs\x18\x06 \x03(\r\x12\x15\n\rtop_token_ids\x18\x07 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\x12\x36\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs\x12+\n\x07timings\x18\n \x01(\x0b\x32\x1a.pagedserve.v1.StepTimings\"\x0e\n\x0cResetRequest\"\x12\n\x10ModelInfoRequest\"\xf4\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x0b \x01(\x04\x12\x15\n\reos_token_ids\x18\x0c \x03(\r2\xd4\x01\n\x06Worker\x12?\n\x05Steps\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepResult(\x01\x30\x01\x12>\n\x05Reset\x12\x1b.pagedserve.v1.ResetRequest\x1a\x18.pagedserve.v1.ModelInfo\x12I\n\x0cGetModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.proto.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_NEWREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_NEWREQUEST']._serialized_start=80
-  _globals['_NEWREQUEST']._serialized_end=243
-  _globals['_STEPPLAN']._serialized_start=246
-  _globals['_STEPPLAN']._serialized_end=597
-  _globals['_PROMPTLOGPROBS']._serialized_start=599
-  _globals['_PROMPTLOGPROBS']._serialized_end=700
-  _globals['_STEPTIMINGS']._serialized_start=703
-  _globals['_STEPTIMINGS']._serialized_end=832
-  _globals['_STEPRESULT']._serialized_start=835
-  _globals['_STEPRESULT']._serialized_end=1135
-  _globals['_RESETREQUEST']._serialized_start=1137
-  _globals['_RESETREQUEST']._serialized_end=1151
-  _globals['_MODELINFOREQUEST']._serialized_start=1153
-  _globals['_MODELINFOREQUEST']._serialized_end=1171
-  _globals['_MODELINFO']._serialized_start=1174
-  _globals['_MODELINFO']._serialized_end=1418
-  _globals['_WORKER']._serialized_start=1421
-  _globals['_WORKER']._serialized_end=1633
+  _globals['_NEWREQUEST']._serialized_end=364
+  _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_start=313
+  _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_end=364
+  _globals['_STEPPLAN']._serialized_start=367
+  _globals['_STEPPLAN']._serialized_end=718
+  _globals['_PROMPTLOGPROBS']._serialized_start=720
+  _globals['_PROMPTLOGPROBS']._serialized_end=821
+  _globals['_STEPTIMINGS']._serialized_start=824
+  _globals['_STEPTIMINGS']._serialized_end=953
+  _globals['_STEPRESULT']._serialized_start=956
+  _globals['_STEPRESULT']._serialized_end=1256
+  _globals['_RESETREQUEST']._serialized_start=1258
+  _globals['_RESETREQUEST']._serialized_end=1272
+  _globals['_MODELINFOREQUEST']._serialized_start=1274
+  _globals['_MODELINFOREQUEST']._serialized_end=1292
+  _globals['_MODELINFO']._serialized_start=1295
+  _globals['_MODELINFO']._serialized_end=1539
+  _globals['_WORKER']._serialized_start=1542
+  _globals['_WORKER']._serialized_end=1754
 # @@protoc_insertion_point(module_scope)

@@ -23,6 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import trace
+
+from pagedserve.errors import InvalidRequestError, OverloadedError, PagedServeError, UnavailableError
+from pagedserve.grpc_utils import WORKER_CHANNEL_OPTIONS, open_channel
+from pagedserve.logging import get_logger
 from pagedserve.proto import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.metrics import EngineMetrics, WorkerCounters
@@ -31,11 +36,7 @@ from pagedserve.scheduler_svc.request import Request
 from pagedserve.scheduler_svc.router import choose_worker
 from pagedserve.scheduler_svc.scheduler import RequestOutput, Scheduler, SchedulerOutput
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
-
-from pagedserve.errors import InvalidRequestError, OverloadedError, PagedServeError, UnavailableError
-from pagedserve.grpc_utils import CHANNEL_OPTIONS
-from pagedserve.logging import get_logger
-from pagedserve.tracing import get_tracer
+from pagedserve.tracing import get_tracer, inject_metadata
 
 log = get_logger("pagedserve.scheduler.engine")
 tracer = get_tracer("pagedserve.scheduler")
@@ -85,6 +86,11 @@ class RequestStream:
         self.first_scheduled: float | None = None
         self.done = False
         self.span = span
+        # The span's W3C trace context, handed to the worker with each of its sequences (empty when
+        # tracing is off).
+        self.trace_context = (
+            dict(inject_metadata(trace.set_span_in_context(span))) if span is not None else {}
+        )
         # Cancels the wait for a worker when none is healthy.
         self.wait_timer: asyncio.TimerHandle | None = None
         # Prompt log-probabilities received and not sent yet; sent once on the first message.
@@ -108,12 +114,16 @@ class RequestStream:
         streamed (its outputs stay outputs, its seed stays the child seed: after a worker failure it
         continues exactly as it would have, seeded draws and penalties included)."""
         if all(not s.token_ids for s in self.sequences) and self.num_unfinished == self.n:
-            return [Request.from_generate_request(self.msg, eos_token_ids, self.arrival_time)]
-        return [
-            Request.resume(self.msg, index, seq.token_ids, eos_token_ids, self.arrival_time)
-            for index, seq in enumerate(self.sequences)
-            if seq.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
-        ]
+            requests = [Request.from_generate_request(self.msg, eos_token_ids, self.arrival_time)]
+        else:
+            requests = [
+                Request.resume(self.msg, index, seq.token_ids, eos_token_ids, self.arrival_time)
+                for index, seq in enumerate(self.sequences)
+                if seq.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+            ]
+        for request in requests:
+            request.trace_context = self.trace_context
+        return requests
 
 
 class WorkerEngine:
@@ -325,6 +335,8 @@ class Engine:
         # Core counters of schedulers discarded after a worker failure (kept so totals never drop).
         self.retired = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
         self._reconnects: dict[str, asyncio.Task] = {}
+        # Set by drain() (SIGTERM): new requests are refused, live ones run to their end.
+        self.draining = False
 
     # --- workers ---
     def effective_max_model_len(self) -> int:
@@ -355,7 +367,7 @@ class Engine:
             # its state matches ours, so there is nothing to reset.
             log.info("worker_reregistered", worker_id=reg.worker_id, address=reg.address)
             return engine_pb2.RegisterWorkerResponse(accepted=True)
-        channel = grpc.aio.insecure_channel(reg.address, options=CHANNEL_OPTIONS)
+        channel = open_channel(reg.address, self.config.tls, WORKER_CHANNEL_OPTIONS)
         try:
             info = await worker_pb2_grpc.WorkerStub(channel).Reset(worker_pb2.ResetRequest(), timeout=30.0)
         except grpc.RpcError as error:
@@ -449,6 +461,15 @@ class Engine:
         if self.on_health_change is not None:
             self.on_health_change(bool(self.healthy_workers()))
 
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests and wait up to timeout seconds for the live ones to finish; True if
+        they all did."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.streams
+
     async def close(self) -> None:
         for task in self._reconnects.values():
             task.cancel()
@@ -459,6 +480,8 @@ class Engine:
 
     # --- requests ---
     def submit(self, msg: engine_pb2.EngineGenerateRequest, span=None) -> RequestStream:
+        if self.draining:
+            raise UnavailableError("the scheduler is shutting down; retry on another replica or later")
         self._validate(msg)
         if msg.request_id in self.streams:
             raise InvalidRequestError(f"request id {msg.request_id!r} is already live", param="request_id")

@@ -78,6 +78,7 @@ class PlanBuilder:
                         prompt_len=req.prompt_len,
                         num_computed_tokens=num_computed,
                         sampling=req.sampling,
+                        trace_context=req.trace_context,
                     )
                 )
             table = req.block_table

@@ -36,6 +36,8 @@ class Request:
     arrival_time: float = 0.0
     # Which of the request's n sequences this is, 0-based.
     index: int = 0
+    # W3C trace context of the request's span (opaque to the core; the worker's span hangs under it).
+    trace_context: dict[str, str] = field(default_factory=dict)
 
     # --- set by the scheduler ---
     # Arrival order among all requests (forks share their parent's).
@@ -169,6 +171,7 @@ class Request:
             priority=self.priority,
             arrival_time=self.arrival_time,
             index=index,
+            trace_context=self.trace_context,
             arrival_seq=self.arrival_seq,
             sort_key=(self.sort_key[0], self.sort_key[1], index),
             max_output_tokens=self.max_output_tokens,

@@ -20,14 +20,14 @@ from pathlib import Path
 import grpc
 import structlog
 from opentelemetry.trace import Status, StatusCode
+
+from pagedserve.errors import PagedServeError, abort_with
+from pagedserve.grpc_utils import SERVER_OPTIONS, add_health_and_reflection, listen, set_serving
+from pagedserve.logging import configure_logging, get_logger
+from pagedserve.model_files import load_generation_info, model_name, resolve_model
 from pagedserve.proto import engine_pb2, engine_pb2_grpc
 from pagedserve.scheduler_svc.engine import END, Engine, RequestStream
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
-
-from pagedserve.errors import PagedServeError, abort_with
-from pagedserve.grpc_utils import SERVER_OPTIONS, add_health_and_reflection, set_serving
-from pagedserve.logging import configure_logging, get_logger
-from pagedserve.model_files import load_generation_info, model_name, resolve_model
 from pagedserve.tracing import extract_context, get_tracer, setup_tracing
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -143,12 +143,18 @@ class SchedulerServer:
             log.info("health", serving=serving, healthy_workers=len(self.engine.healthy_workers()))
 
     async def start(self) -> None:
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = listen(self.server, f"{self.config.host}:{self.config.port}", self.config.tls)
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
         await self.server.start()
         await self.sync_health()
-        log.info("serving", port=self.port, model=self.engine.model, max_model_len=self.engine.max_model_len)
+        log.info(
+            "serving",
+            port=self.port,
+            model=self.engine.model,
+            max_model_len=self.engine.max_model_len,
+            tls=self.config.tls.enabled,
+        )
 
     async def stop(self, grace: float = 2.0) -> None:
         await set_serving(self.health, [SERVICE_NAME], False)
@@ -167,7 +173,16 @@ async def serve(config: SchedulerServiceConfig) -> None:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("stopping")
+    # NOTE: graceful: refuse new requests at once, let the running ones finish (a second signal
+    # stops at once), then close the streams that are still live.
+    log.info("draining", live_requests=len(engine.streams), timeout=config.shutdown_timeout)
+    stop.clear()
+    drained = asyncio.ensure_future(engine.drain(config.shutdown_timeout))
+    second_signal = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({drained, second_signal}, return_when=asyncio.FIRST_COMPLETED)
+    log.info("stopping", drained=drained.done() and drained.result(), live_requests=len(engine.streams))
+    drained.cancel()
+    second_signal.cancel()
     await server.stop()
 
 

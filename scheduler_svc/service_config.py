@@ -12,7 +12,9 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-ENV_PREFIX = "PAGEDSERVE_"
+from pagedserve.flags import EnvFlags
+from pagedserve.grpc_utils import TLSConfig, add_tls_arguments
+
 POLICIES = ("fcfs", "priority")
 
 
@@ -42,9 +44,20 @@ class SchedulerServiceConfig:
     max_inflight_plans: int = 2
     # Seconds a request waits for a worker to (re)register when no worker is healthy, then fails.
     worker_wait_timeout: float = 60.0
+    # Seconds SIGTERM waits for running requests to finish (new ones are refused meanwhile).
+    shutdown_timeout: float = 30.0
+    # TLS on the Engine service and on the channels to workers (see pagedserve.grpc_utils.TLSConfig).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_require_client_cert: bool = False
     # Logging level, and JSON (True) or console output.
     log_level: str = "info"
     log_json: bool = True
+
+    @property
+    def tls(self) -> TLSConfig:
+        return TLSConfig(self.tls_cert, self.tls_key, self.tls_ca, self.tls_require_client_cert)
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in POLICIES:
@@ -58,6 +71,9 @@ class SchedulerServiceConfig:
             raise ValueError(f"max_inflight_plans must be in 1..8, not {self.max_inflight_plans}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, not {self.port}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must not be negative, not {self.shutdown_timeout}")
+        self.tls  # noqa: B018 -- checks the TLS flags go together and the files exist
 
     @classmethod
     def from_args(
@@ -67,10 +83,6 @@ class SchedulerServiceConfig:
         return cls(**vars(args))
 
 
-def _env_bool(value: str) -> bool:
-    return value.strip().lower() in ("1", "true", "yes", "on")
-
-
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     """The `pagedserve scheduler` flags, each defaulting to its PAGEDSERVE_* variable."""
     parser = argparse.ArgumentParser(
@@ -78,31 +90,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         description="Serve the Engine gRPC service: block tables, prefix cache, continuous batching.",
     )
 
-    def add(flag: str, convert, help_text: str, default=None, **kwargs) -> None:
-        name = flag.lstrip("-").replace("-", "_")
-        var = ENV_PREFIX + name.upper()
-        # NOTE: an empty variable (compose passes `VAR:` through empty) means unset.
-        if env.get(var):
-            try:
-                default = convert(env[var])
-            except ValueError as exc:
-                parser.error(f"{var}: {exc}")
-        parser.add_argument(
-            flag, dest=name, type=convert, default=default, help=f"{help_text} (env {var})", **kwargs
-        )
-
-    def add_bool(flag: str, help_text: str, default: bool) -> None:
-        name = flag.lstrip("-").replace("-", "_")
-        var = ENV_PREFIX + name.upper()
-        if env.get(var):
-            default = _env_bool(env[var])
-        parser.add_argument(
-            flag,
-            dest=name,
-            action=argparse.BooleanOptionalAction,
-            default=default,
-            help=f"{help_text} (env {var})",
-        )
+    flags = EnvFlags(parser, env)
+    add, add_bool = flags.add, flags.add_bool
 
     add("--model", str, "model folder, .gguf file, or 'default' (tokenizer and generation config only)")
     add("--host", str, "address to listen on", default="0.0.0.0")
@@ -116,6 +105,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--max-queued-requests", int, "most waiting requests before new ones are refused", default=4096)
     add("--max-inflight-plans", int, "plans in flight per worker (2: pipelined)", default=2)
     add("--worker-wait-timeout", float, "seconds a request waits for a worker when none is up", default=60.0)
+    add("--shutdown-timeout", float, "seconds SIGTERM waits for running requests", default=30.0)
+    add_tls_arguments(add, add_bool)
     add("--log-level", str, "debug, info, warning, error", default="info")
     add_bool("--log-json", "JSON log lines (--no-log-json: console)", True)
     return parser

@@ -1,4 +1,5 @@
 import pytest
+
 from pagedserve.scheduler_svc.block_pool import BlockPool
 from pagedserve.scheduler_svc.prefix_cache import PrefixCache
 

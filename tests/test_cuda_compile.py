@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
 from pagedserve.kernels import cuda_ops
 
 NVCC = shutil.which("nvcc")

@@ -20,12 +20,11 @@ import pytest
 yaml = pytest.importorskip("yaml")
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
+from pagedserve import healthcheck, prepare_model  # noqa: E402
+from pagedserve.cli import SUBCOMMANDS  # noqa: E402
 from pagedserve.gateway.config import GatewayConfig  # noqa: E402
 from pagedserve.scheduler_svc import service_config  # noqa: E402
 from pagedserve.worker_svc import config as worker_config  # noqa: E402
-
-from pagedserve import healthcheck, prepare_model  # noqa: E402
-from pagedserve.cli import SUBCOMMANDS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"

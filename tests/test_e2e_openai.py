@@ -1,142 +1,187 @@
-"""The whole stack as users start it (`pagedserve serve`), driven by the real openai SDK and by the
-public gRPC API. One stack is shared by the module; the last test stops it with SIGTERM.
+"""The whole stack as users start it (`pagedserve serve`), driven by the real openai SDK, by raw HTTP
+(httpx, for the exact wire format) and by the public gRPC API. One stack is shared by the module;
+the last test stops it with SIGTERM. Every test checks what a parameter does, not only that it is
+accepted.
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
+import threading
 
 import grpc
 import httpx
 import openai
 import pytest
-from pagedserve.proto import (
-    common_pb2,
-    engine_pb2,
-    engine_pb2_grpc,
-    text_generation_pb2,
-    text_generation_pb2_grpc,
-)
+from e2e_stack import MODEL, Stack, running_stack, scrape
+
+from pagedserve.proto import common_pb2, text_generation_pb2, text_generation_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
-BIN = Path(sys.executable).parent
 API_KEY = "test-key"
-MODEL = "SmolLM2-135M-Instruct"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# Greedy answers it in three tokens ("No." and EOS): a prompt where EOS comes early.
+SHORT_ANSWER = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+PROMPT = "The capital of France is"
 MAX_BODY_BYTES = 200_000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Served:
-    process: subprocess.Popen
-    base_url: str
-    grpc_address: str
-    engine_address: str
-    client: openai.OpenAI
-
-    def engine_stats(self) -> engine_pb2.EngineStats:
-        with grpc.insecure_channel(self.engine_address) as channel:
-            return engine_pb2_grpc.EngineStub(channel).Stats(engine_pb2.StatsRequest(), timeout=5)
-
-    def wait_idle(self, timeout: float = 5.0) -> engine_pb2.EngineStats:
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.engine_stats()
-            if stats.num_blocks_in_use == 0 and stats.num_requests_running == 0:
-                return stats
-            assert time.monotonic() < deadline, f"blocks still in use: {stats.num_blocks_in_use}"
-            time.sleep(0.05)
+MAX_MODEL_LEN = 4096  # 256 blocks of 16 tokens: the pool bounds the context
 
 
 @pytest.fixture(scope="module")
 def served():
-    port, grpc_port, engine_port = _free_port(), _free_port(), _free_port()
-    args = [str(BIN / "pagedserve"), "serve", "--port", str(port), "--grpc-port", str(grpc_port)]
-    args += ["--scheduler-port", str(engine_port), "--api-key", API_KEY, "--dtype", "float32"]
-    args += ["--num-blocks", "256", "--log-level", "warning"]
-    env = {**os.environ, "PAGEDSERVE_MAX_BODY_BYTES": str(MAX_BODY_BYTES)}
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        banner = []
-        for line in process.stdout:
-            banner.append(line)
-            if "Ctrl-C" in line:
-                break
-            assert time.monotonic() < deadline, "pagedserve serve did not become ready"
-        assert process.poll() is None, "".join(banner)
-        base_url = f"http://127.0.0.1:{port}/v1"
-        assert any(base_url in line for line in banner), banner
-        client = openai.OpenAI(base_url=base_url, api_key=API_KEY, max_retries=0, timeout=60)
-        yield Served(process, base_url, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{engine_port}", client)
-    finally:
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+    args = ["--api-key", API_KEY, "--dtype", "float32", "--num-blocks", "256", "--log-level", "warning"]
+    with running_stack(args, env={"PAGEDSERVE_MAX_BODY_BYTES": str(MAX_BODY_BYTES)}) as stack:
+        stack.client = openai.OpenAI(base_url=stack.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+        yield stack
 
 
-def _chat(served: Served, **kwargs):
+def _chat(served: Stack, **kwargs):
     kwargs.setdefault("temperature", 0)
     kwargs.setdefault("max_tokens", 24)
-    return served.client.chat.completions.create(model=MODEL, messages=QUESTION, **kwargs)
+    kwargs.setdefault("messages", QUESTION)
+    return served.client.chat.completions.create(model=MODEL, **kwargs)
+
+
+def _complete(served: Stack, **kwargs):
+    kwargs.setdefault("temperature", 0)
+    kwargs.setdefault("max_tokens", 8)
+    kwargs.setdefault("prompt", PROMPT)
+    return served.client.completions.create(model=MODEL, **kwargs)
+
+
+def _tokenize(served: Stack, **body) -> list[int]:
+    response = httpx.post(f"{served.http_url}/tokenize", json=body, timeout=10)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["count"] == len(data["tokens"]) and data["max_model_len"] == MAX_MODEL_LEN
+    return data["tokens"]
+
+
+def _token_id(served: Stack, text: str) -> int:
+    ids = _tokenize(served, prompt=text, add_special_tokens=False)
+    assert len(ids) == 1, ids
+    return ids[0]
+
+
+def _sse_events(served: Stack, path: str, body: dict) -> list[str]:
+    """The raw `data:` payloads of a streamed response, in order."""
+    events = []
+    with httpx.stream("POST", f"{served.base_url}{path}", json=body, headers=AUTH, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line:
+                assert line.startswith("data: "), line
+                events.append(line.removeprefix("data: "))
+    return events
+
+
+# ---- the text endpoints and the service endpoints ----
+
+
+def test_models_lists_the_served_model(served):
+    models = served.client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].object == "model" and models[0].owned_by == "pagedserve"
+    assert served.client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        served.client.models.retrieve("no-such-model")
+
+
+def test_tokenize_and_detokenize_round_trip(served):
+    ids = _tokenize(served, prompt=PROMPT)
+    assert len(ids) == 5
+    response = httpx.post(f"{served.http_url}/detokenize", json={"tokens": ids}, timeout=10)
+    assert response.json() == {"prompt": PROMPT}
+    chat_ids = _tokenize(served, messages=QUESTION)
+    assert len(chat_ids) > len(_tokenize(served, prompt=QUESTION[0]["content"]))  # the template's turns
+    bad = httpx.post(f"{served.http_url}/detokenize", json={"tokens": [10**9]}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_health_version_and_metrics_answer(served):
+    assert httpx.get(f"{served.http_url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{served.http_url}/version", timeout=10).json()["version"]
+    metrics = httpx.get(f"{served.http_url}/metrics", timeout=10)
+    assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
+
+
+# ---- generation ----
 
 
 def test_chat_answers_paris(served):
     response = _chat(served)
     assert "Paris" in response.choices[0].message.content
     assert response.choices[0].finish_reason == "stop"
+    assert response.object == "chat.completion" and response.model == MODEL
     usage = response.usage
-    assert usage.prompt_tokens > 0 and usage.completion_tokens > 0
+    assert usage.prompt_tokens == len(_tokenize(served, messages=QUESTION))
+    assert usage.completion_tokens > 0
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
 def test_completion_returns_text_and_usage(served):
-    response = served.client.completions.create(
-        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0
-    )
+    response = _complete(served, max_tokens=6)
     choice = response.choices[0]
-    assert choice.text.strip()
+    assert "Paris" in choice.text
     assert choice.finish_reason in ("length", "stop")
-    assert response.usage.completion_tokens <= 6
+    assert response.usage.prompt_tokens == len(_tokenize(served, prompt=PROMPT))
+    assert 0 < response.usage.completion_tokens <= 6
 
 
-def test_streaming_equals_non_streaming_at_temperature_zero(served):
-    whole = _chat(served).choices[0].message.content
-    chunks = _chat(served, stream=True, stream_options={"include_usage": True})
-    text, usage = [], None
-    for chunk in chunks:
-        if chunk.choices and chunk.choices[0].delta.content:
-            text.append(chunk.choices[0].delta.content)
-        if chunk.usage is not None:
-            usage = chunk.usage
-    assert "".join(text) == whole
-    assert usage is not None and usage.completion_tokens > 0
+def test_every_prompt_form_gives_the_same_greedy_text(served):
+    ids = _tokenize(served, prompt=PROMPT)
+    text = _complete(served).choices[0].text
+    assert _complete(served, prompt=ids).choices[0].text == text
+    batch = _complete(served, prompt=[ids, ids[:3]]).choices
+    assert [c.index for c in batch] == [0, 1] and batch[0].text == text
+    assert batch[1].text == _complete(served, prompt=PROMPT.rsplit(" ", 2)[0]).choices[0].text
 
 
-def test_same_seed_same_sample(served):
-    kwargs = {"temperature": 1.0, "seed": 1234, "max_tokens": 12}
-    first = _chat(served, **kwargs).choices[0].message.content
-    assert _chat(served, **kwargs).choices[0].message.content == first
+def test_list_prompts_give_choices_indexed_by_prompt_then_sample(served):
+    prompts = [PROMPT, "Once upon a time"]
+    response = _complete(served, prompt=prompts, n=2, max_tokens=5)
+    choices = sorted(response.choices, key=lambda c: c.index)
+    assert [c.index for c in choices] == [0, 1, 2, 3]
+    for i, prompt in enumerate(prompts):
+        alone = _complete(served, prompt=prompt, max_tokens=5).choices[0].text
+        assert choices[2 * i].text == choices[2 * i + 1].text == alone
+    assert response.usage.prompt_tokens == sum(len(_tokenize(served, prompt=p)) for p in prompts)
+
+
+def test_n_gives_distinct_choices_and_usage_counts_them_all(served):
+    response = _chat(served, n=3, temperature=1.0, seed=7, max_tokens=12, logprobs=True)
+    assert sorted(c.index for c in response.choices) == [0, 1, 2]
+    lengths = [len(c.logprobs.content) for c in response.choices]
+    assert response.usage.completion_tokens == sum(lengths)
+    assert len({c.message.content for c in response.choices}) > 1
+
+
+def test_echo_prepends_the_prompt(served):
+    plain = _complete(served).choices[0].text
+    echoed = _complete(served, echo=True).choices[0].text
+    assert echoed == PROMPT + plain
+
+
+def test_max_tokens_and_ignore_eos_give_exactly_that_many_tokens(served):
+    response = _chat(served, messages=SHORT_ANSWER, max_tokens=20, extra_body={"ignore_eos": True})
+    assert response.usage.completion_tokens == 20 and response.choices[0].finish_reason == "length"
+    response = _chat(served, messages=SHORT_ANSWER, max_completion_tokens=3, extra_body={"ignore_eos": True})
+    assert response.usage.completion_tokens == 3 and response.choices[0].finish_reason == "length"
+    completion = _complete(served, max_tokens=11, extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == 11
+
+
+def test_min_tokens_delays_the_end_of_sequence(served):
+    early = _chat(served, messages=SHORT_ANSWER, max_tokens=30)
+    assert early.usage.completion_tokens < 5 and early.choices[0].finish_reason == "stop"
+    delayed = _chat(served, messages=SHORT_ANSWER, max_tokens=30, extra_body={"min_tokens": 10})
+    assert delayed.usage.completion_tokens >= 10
 
 
 def test_stop_string_ends_the_text_and_is_left_out(served):
@@ -144,18 +189,198 @@ def test_stop_string_ends_the_text_and_is_left_out(served):
     content = response.choices[0].message.content
     assert "Paris" not in content and content.strip()
     assert response.choices[0].finish_reason == "stop"
+    assert response.choices[0].model_extra["stop_reason"] == "Paris"
 
 
-def test_logprobs_come_with_their_alternatives(served):
-    response = _chat(served, logprobs=True, top_logprobs=2, max_tokens=5)
-    entries = response.choices[0].logprobs.content
-    assert len(entries) == response.usage.completion_tokens
-    for entry in entries:
-        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
-        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+def test_stop_token_ids_end_at_that_token(served):
+    whole = _chat(served).choices[0].message.content
+    assert whole.startswith("The capital of France")
+    france = _token_id(served, " France")
+    response = _chat(served, extra_body={"stop_token_ids": [france]})
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == france
+    assert choice.message.content == "The capital of"  # the stop token's text is left out
+    assert response.usage.completion_tokens == 4  # ...but it is counted
 
 
-def test_each_error_has_its_status_code(served):
+def test_logit_bias_forces_a_token(served):
+    paris = _token_id(served, " Paris")
+    response = _complete(served, max_tokens=6, logit_bias={str(paris): 100}, temperature=1.0)
+    assert response.choices[0].text == " Paris" * 6
+
+
+def test_top_k_one_top_p_tiny_and_min_p_one_equal_greedy(served):
+    greedy = _chat(served, max_tokens=12).choices[0].message.content
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        sampled = _chat(served, max_tokens=12, temperature=1.5, seed=3, extra_body=extra)
+        assert sampled.choices[0].message.content == greedy, extra
+    sampled = _chat(served, max_tokens=12, temperature=1.5, seed=3, top_p=1e-6)
+    assert sampled.choices[0].message.content == greedy
+
+
+def test_seeds_reproduce_and_different_seeds_differ(served):
+    kwargs = {"temperature": 1.5, "max_tokens": 16}
+    first = _chat(served, seed=1234, **kwargs).choices[0].message.content
+    assert _chat(served, seed=1234, **kwargs).choices[0].message.content == first
+    others = {_chat(served, seed=seed, **kwargs).choices[0].message.content for seed in (1, 2)}
+    assert others - {first}
+
+
+def test_penalties_change_the_output(served):
+    prompt = "one two one two one two one two"
+    plain = _complete(served, prompt=prompt, max_tokens=16).choices[0].text
+    for kwargs in (
+        {"presence_penalty": 2.0},
+        {"frequency_penalty": 2.0},
+        {"extra_body": {"repetition_penalty": 1.8}},
+    ):
+        assert _complete(served, prompt=prompt, max_tokens=16, **kwargs).choices[0].text != plain, kwargs
+
+
+def test_unknown_fields_and_user_are_accepted_and_change_nothing(served):
+    plain = _chat(served, max_tokens=8).choices[0].message.content
+    odd = _chat(served, max_tokens=8, user="e2e-user", extra_body={"no_such_field": {"x": 1}})
+    assert odd.choices[0].message.content == plain
+
+
+# ---- logprobs in both APIs' formats ----
+
+
+def test_chat_logprobs_have_openais_shape(served):
+    body = {
+        "model": MODEL,
+        "messages": QUESTION,
+        "max_tokens": 5,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    data = httpx.post(f"{served.base_url}/chat/completions", json=body, headers=AUTH, timeout=60).json()
+    content = data["choices"][0]["logprobs"]["content"]
+    assert len(content) == data["usage"]["completion_tokens"]
+    assert "".join(e["token"] for e in content) == data["choices"][0]["message"]["content"]
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert entry["logprob"] <= 0 and bytes(entry["bytes"]) == entry["token"].encode()
+        assert len(entry["top_logprobs"]) == 2
+        for alt in entry["top_logprobs"]:
+            assert set(alt) == {"token", "logprob", "bytes"}
+        # Greedy: the chosen token is the most likely one.
+        assert entry["top_logprobs"][0]["token"] == entry["token"]
+        assert entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][1]["logprob"]
+    sdk = _chat(served, logprobs=True, top_logprobs=2, max_tokens=5).choices[0].logprobs.content
+    assert [e.token for e in sdk] == [e["token"] for e in content]
+
+
+def test_completion_logprobs_have_openais_shape(served):
+    response = _complete(served, max_tokens=5, logprobs=2)
+    choice = response.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(5)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0 and token in top and top[token] == logprob
+        assert max(top.values()) == logprob  # greedy picks the most likely
+        assert 2 <= len(top) <= 3
+    echoed = _complete(served, max_tokens=5, logprobs=2, echo=True).choices[0].logprobs
+    num_prompt = len(_tokenize(served, prompt=PROMPT))
+    assert len(echoed.tokens) == num_prompt + 5
+    assert echoed.token_logprobs[0] is None and echoed.top_logprobs[0] is None  # nothing before it
+    assert all(v <= 0 for v in echoed.token_logprobs[1:])
+    assert echoed.tokens[num_prompt:] == lp.tokens
+
+
+# ---- streaming ----
+
+
+def test_streaming_equals_non_streaming_at_temperature_zero(served):
+    whole = _chat(served)
+    chunks = _chat(served, stream=True, stream_options={"include_usage": True})
+    text, usage = [], None
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(text) == whole.choices[0].message.content
+    assert usage == whole.usage
+
+    complete = _complete(served, max_tokens=12)
+    streamed = _complete(served, max_tokens=12, stream=True, stream_options={"include_usage": True})
+    pieces, usage = [], None
+    for chunk in streamed:
+        pieces.extend(c.text for c in chunk.choices)
+        usage = chunk.usage or usage
+    assert "".join(pieces) == complete.choices[0].text
+    assert usage == complete.usage
+
+
+def test_raw_sse_ends_with_done_and_usage_counts_the_streamed_tokens(served):
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 10,
+        "temperature": 0,
+        "logprobs": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events = _sse_events(served, "/completions", body)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["object"] == "text_completion"
+    assert all(c["usage"] is None for c in chunks[:-1])
+    streamed = sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks[:-1])
+    assert usage_chunk["usage"]["completion_tokens"] == streamed == 10
+    assert usage_chunk["usage"]["prompt_tokens"] == len(_tokenize(served, prompt=PROMPT))
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+    chat = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, "temperature": 0, "stream": True}
+    events = _sse_events(served, "/chat/completions", chat)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] is not None
+
+
+# ---- errors, in OpenAI's shape ----
+
+
+def _post_error(served: Stack, path: str, body: dict | str, headers=AUTH) -> tuple[int, dict]:
+    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+    response = httpx.post(f"{served.http_url}{path}", headers=headers, timeout=30, **kwargs)
+    data = response.json()
+    assert set(data) == {"error"} and set(data["error"]) == {"message", "type", "param", "code"}, data
+    return response.status_code, data["error"]
+
+
+def test_each_error_has_its_status_code_and_openais_shape(served):
+    chat = {"model": MODEL, "messages": QUESTION}
+    status, error = _post_error(served, "/v1/chat/completions", {**chat, "temperature": -1})
+    assert status == 400 and error["type"] == "invalid_request_error" and error["param"] == "temperature"
+    status, error = _post_error(served, "/v1/chat/completions", {**chat, "n": "many"})
+    assert status == 400 and error["param"] == "n"
+    status, error = _post_error(served, "/v1/chat/completions", "{not json")
+    assert status == 400
+    too_long = {"model": MODEL, "prompt": [1] * (MAX_MODEL_LEN + 1)}
+    status, error = _post_error(served, "/v1/completions", too_long)
+    assert status == 400 and "context length" in error["message"] and error["param"] == "prompt"
+    status, error = _post_error(
+        served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 5000}
+    )
+    assert status == 400 and error["param"] == "max_tokens"
+    status, error = _post_error(served, "/v1/chat/completions", {**chat, "model": "no-such-model"})
+    assert status == 404 and "no-such-model" in error["message"]
+    status, error = _post_error(served, "/v1/chat/completions", chat, headers={"Authorization": "Bearer no"})
+    assert status == 401 and error["type"] == "authentication_error"
+    assert httpx.get(f"{served.base_url}/models", timeout=10).status_code == 401
+    big = {"model": MODEL, "prompt": "x" * (MAX_BODY_BYTES + 10)}
+    status, error = _post_error(served, "/v1/completions", big)
+    assert status == 413
+    # The SDK maps them onto its exception classes.
     with pytest.raises(openai.BadRequestError):
         _chat(served, temperature=-1)
     with pytest.raises(openai.NotFoundError):
@@ -163,13 +388,55 @@ def test_each_error_has_its_status_code(served):
     wrong_key = openai.OpenAI(base_url=served.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong_key.chat.completions.create(model=MODEL, messages=QUESTION)
-    response = httpx.post(
-        f"{served.base_url}/completions",
-        headers={"Authorization": f"Bearer {API_KEY}"},
-        json={"model": MODEL, "prompt": "x" * (MAX_BODY_BYTES + 10)},
-        timeout=30,
-    )
-    assert response.status_code == 413
+
+
+def test_the_api_key_guards_only_v1(served):
+    # /tokenize, /health and /metrics answered without a key above; /v1 needs it.
+    assert httpx.get(f"{served.base_url}/models", timeout=10).status_code == 401
+    assert httpx.get(f"{served.base_url}/models", headers=AUTH, timeout=10).status_code == 200
+    assert httpx.post(f"{served.http_url}/tokenize", json={"prompt": "x"}, timeout=10).status_code == 200
+
+
+# ---- metrics ----
+
+
+def test_metrics_move_after_requests(served):
+    served.wait_idle()
+    before = scrape(served.http_url)
+    long_prompt = " ".join(f"word{i}" for i in range(150))  # several full blocks
+    for _ in range(2):
+        _complete(served, prompt=long_prompt, max_tokens=4)
+    after = scrape(served.http_url)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    prompt_len = len(_tokenize(served, prompt=long_prompt))
+    assert grew("vllm:prefix_cache_queries_total") >= 2 * (prompt_len - 16)
+    assert grew("vllm:prefix_cache_hits_total") >= (prompt_len - 1) // 16 * 16  # the second run's blocks
+    assert grew("vllm:prompt_tokens_total") >= prompt_len
+    assert grew("vllm:generation_tokens_total") >= 8
+    for name in (
+        "time_to_first_token_seconds",
+        "time_per_output_token_seconds",
+        "e2e_request_latency_seconds",
+    ):
+        assert grew(f"vllm:{name}_count") >= 2, name
+        assert after[f"vllm:{name}_sum"] > 0
+    assert grew("vllm:request_success_total[finished_reason=length]") == 2
+    assert "vllm:num_preemptions_total" in after
+    assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
+
+    # While a request runs: it is counted as running and holds part of the KV cache.
+    stream = _chat(served, stream=True, max_tokens=300, extra_body={"ignore_eos": True})
+    for i, _chunk in enumerate(stream):
+        if i == 3:
+            break
+    during = scrape(served.http_url)
+    stream.close()
+    assert during["vllm:num_requests_running"] == 1 and during["vllm:num_requests_waiting"] == 0
+    assert 0 < during["vllm:kv_cache_usage_perc"] <= 1
+    served.wait_idle(timeout=10)
 
 
 def test_dropped_stream_frees_its_blocks(served):
@@ -183,17 +450,86 @@ def test_dropped_stream_frees_its_blocks(served):
     assert stats.requests_finished["abort"] >= 1
 
 
-def test_grpc_text_generation_streams_the_answer(served):
+# ---- the public gRPC API ----
+
+
+def _grpc_generate(served: Stack, **fields) -> list[text_generation_pb2.GenerateResponse]:
+    fields.setdefault("sampling", common_pb2.SamplingParams(max_tokens=24, temperature=0))
     with grpc.insecure_channel(served.grpc_address) as channel:
         stub = text_generation_pb2_grpc.TextGenerationStub(channel)
-        request = text_generation_pb2.GenerateRequest(
-            messages=[text_generation_pb2.ChatMessage(role="user", content=QUESTION[0]["content"])],
-            sampling=common_pb2.SamplingParams(max_tokens=24, temperature=0),
-        )
-        messages = list(stub.Generate(request, metadata=[("authorization", f"Bearer {API_KEY}")], timeout=60))
+        request = text_generation_pb2.GenerateRequest(**fields)
+        return list(stub.Generate(request, metadata=[("authorization", f"Bearer {API_KEY}")], timeout=60))
+
+
+def test_grpc_text_generation_streams_the_answer(served):
+    messages = _grpc_generate(
+        served, messages=[text_generation_pb2.ChatMessage(role="user", content=QUESTION[0]["content"])]
+    )
     text = "".join(m.text for m in messages)
-    assert "Paris" in text
+    assert "Paris" in text and text == _chat(served).choices[0].message.content
     assert messages[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert list(messages[0].prompt_token_ids) == _tokenize(served, messages=QUESTION)
+    assert messages[-1].usage.completion_tokens == sum(len(m.token_ids) for m in messages)
+
+
+def test_grpc_prompt_text_and_token_ids_give_the_same_greedy_text(served):
+    sampling = common_pb2.SamplingParams(max_tokens=8, temperature=0)
+    by_text = _grpc_generate(served, prompt=PROMPT, sampling=sampling)
+    by_ids = _grpc_generate(served, prompt_token_ids=_tokenize(served, prompt=PROMPT), sampling=sampling)
+    text = "".join(m.text for m in by_text)
+    assert text == "".join(m.text for m in by_ids) == _complete(served).choices[0].text
+    assert by_ids[-1].usage.prompt_tokens == 5
+
+
+def test_grpc_tokenize_detokenize_and_list_models(served):
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        stub = text_generation_pb2_grpc.TextGenerationStub(channel)
+        ids = stub.Tokenize(text_generation_pb2.TokenizeRequest(text=PROMPT), timeout=10)
+        assert list(ids.token_ids) == _tokenize(served, prompt=PROMPT)
+        assert ids.max_model_len == MAX_MODEL_LEN
+        chat = stub.Tokenize(
+            text_generation_pb2.TokenizeRequest(
+                messages=[text_generation_pb2.ChatMessage(role="user", content=QUESTION[0]["content"])]
+            ),
+            timeout=10,
+        )
+        assert list(chat.token_ids) == _tokenize(served, messages=QUESTION)
+        text = stub.Detokenize(text_generation_pb2.DetokenizeRequest(token_ids=ids.token_ids), timeout=10)
+        assert text.text == PROMPT
+        models = stub.ListModels(text_generation_pb2.ListModelsRequest(), timeout=10).models
+        assert [m.id for m in models] == [MODEL] and models[0].max_model_len == MAX_MODEL_LEN
+
+
+def test_grpc_invalid_request_is_invalid_argument(served):
+    with pytest.raises(grpc.RpcError) as caught:
+        _grpc_generate(served, prompt=PROMPT, sampling=common_pb2.SamplingParams(temperature=-1))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "temperature" in caught.value.details()
+    with pytest.raises(grpc.RpcError) as caught:
+        _grpc_generate(served, prompt=PROMPT, prompt_token_ids=[1, 2])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as caught:
+        _grpc_generate(served, prompt=PROMPT, model="no-such-model")
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+# ---- concurrency and shutdown ----
+
+
+def test_concurrent_requests_each_get_their_own_greedy_answer(served):
+    alone = _complete(served, max_tokens=8).choices[0].text
+    results: list[str] = []
+
+    def run() -> None:
+        results.append(_complete(served, max_tokens=8).choices[0].text)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == [alone] * 4
+    served.wait_idle()
 
 
 def test_sigterm_stops_every_process(served):

@@ -8,11 +8,12 @@ import asyncio
 
 import grpc
 import pytest
+from scheduler_fakes import EOS, VOCAB_SIZE, FakeWorker, expected_tokens
+
 from pagedserve.proto import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 from pagedserve.scheduler_svc.engine import END, Engine, RequestStream
 from pagedserve.scheduler_svc.server import EngineServicer
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
-from scheduler_fakes import EOS, VOCAB_SIZE, FakeWorker, expected_tokens
 
 pytestmark = pytest.mark.anyio
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from pagedserve.proto import common_pb2, engine_pb2, engine_pb2_grpc
 
 pytestmark = pytest.mark.slow

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
+
+from pagedserve import __version__
 from pagedserve.gateway.config import GatewayConfig
 from pagedserve.gateway.generation import ModelInfo
 from pagedserve.gateway.openai_api import create_app
 from pagedserve.gateway.tokenization import Tokenizer
-
-from pagedserve import __version__
 
 MODEL = "SmolLM2-135M-Instruct"
 

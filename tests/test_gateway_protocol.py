@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from pagedserve.errors import InvalidRequestError
 from pagedserve.gateway.config import GatewayConfig
 from pagedserve.gateway.generation import ChoiceDelta, GenerationCore, ModelInfo, Prompt
 from pagedserve.gateway.openai_api import GatewayState, _ChatFormatter, _CompletionFormatter
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from pagedserve.gateway.tokenization import Tokenizer
 from pagedserve.proto import common_pb2
-
-from pagedserve.errors import InvalidRequestError
 
 
 def completion(**fields) -> CompletionRequest:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagedserve.gateway.generation import GenerationCore, GenerationRequest, ModelInfo, Prompt, UsageInfo
 from pagedserve.gateway.tokenization import Tokenizer
 from pagedserve.proto import common_pb2, engine_pb2

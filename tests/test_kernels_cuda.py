@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+
 from pagedserve.kernels import cuda_ops, reference
 
 pytestmark = [

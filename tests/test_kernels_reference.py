@@ -10,9 +10,10 @@ import math
 import sys
 import types
 
-import pagedserve.kernels
 import pytest
 import torch
+
+import pagedserve.kernels
 from pagedserve.kernels import _load_cuda_ops, get_ops, reference
 
 GARBAGE_BLOCK = 1_000_000  # pads block tables: far out of range, so reading it would raise or return junk

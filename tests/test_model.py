@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from pagedserve.worker_svc.loader import load_model, parse_dtype
-from pagedserve.worker_svc.model import AttentionMetadata, CausalLM, ModelConfig
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -18,6 +16,8 @@ from transformers import (
 )
 
 from pagedserve.model_files import load_generation_info, load_tokenizer
+from pagedserve.worker_svc.loader import load_model, parse_dtype
+from pagedserve.worker_svc.model import AttentionMetadata, CausalLM, ModelConfig
 
 VOCAB = 256
 TINY = dict(

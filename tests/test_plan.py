@@ -1,6 +1,7 @@
+from scheduler_fakes import Driver, check_invariants, make_request
+
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.scheduler import Scheduler
-from scheduler_fakes import Driver, check_invariants, make_request
 
 
 def _setup(lag: int = 0, **kw) -> tuple[Scheduler, Driver]:

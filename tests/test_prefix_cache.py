@@ -1,8 +1,9 @@
+from scheduler_fakes import Driver, check_invariants, make_request
+
 from pagedserve.scheduler_svc.block_pool import BlockPool
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.prefix_cache import PrefixCache
 from pagedserve.scheduler_svc.scheduler import Scheduler
-from scheduler_fakes import Driver, check_invariants, make_request
 
 BS = 4
 

@@ -1,9 +1,10 @@
 import pytest
+from scheduler_fakes import EOS, Driver, SeqLog, check_invariants, expected_tokens, make_request
+
 from pagedserve.proto import common_pb2
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.request import RequestStatus
 from pagedserve.scheduler_svc.scheduler import Scheduler
-from scheduler_fakes import EOS, Driver, SeqLog, check_invariants, expected_tokens, make_request
 
 BS = 4
 STOP, LENGTH, ABORT = (

@@ -7,9 +7,10 @@ from collections import deque
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from scheduler_fakes import Driver, check_invariants, expected_tokens, make_request
+
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.scheduler import Scheduler
-from scheduler_fakes import Driver, check_invariants, expected_tokens, make_request
 
 BS = 4
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+
 from pagedserve.proto import worker_pb2
 from pagedserve.scheduler_svc.metrics import Histogram, WorkerCounters
 from pagedserve.scheduler_svc.router import choose_worker

@@ -3,9 +3,10 @@
 import random
 
 import pytest
+from scheduler_fakes import Driver, check_invariants, expected_tokens, make_request
+
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.scheduler import Scheduler
-from scheduler_fakes import Driver, check_invariants, expected_tokens, make_request
 
 
 def chat_traffic(num: int, seed: int) -> list[tuple[list[int], int]]:

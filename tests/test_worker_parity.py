@@ -12,6 +12,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
+from pagedserve.model_files import load_generation_info, load_tokenizer, resolve_model
 from pagedserve.proto import common_pb2, worker_pb2
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.plan import PlanBuilder
@@ -20,9 +23,6 @@ from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec
 from pagedserve.worker_svc.loader import load_model
 from pagedserve.worker_svc.runner import ModelRunner
-from transformers import AutoModelForCausalLM
-
-from pagedserve.model_files import load_generation_info, load_tokenizer, resolve_model
 
 pytestmark = pytest.mark.slow
 

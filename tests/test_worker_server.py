@@ -9,13 +9,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from worker_testing import EOS, TINY_VOCAB, make_runner, new_request, plan, save_tiny_llama
+
+from pagedserve.grpc_utils import CHANNEL_OPTIONS, add_health_and_reflection, set_serving
 from pagedserve.proto import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pagedserve.worker_svc.config import WorkerConfig, parse_bytes
 from pagedserve.worker_svc.kv_cache import KVCacheSpec, resolve_num_blocks
 from pagedserve.worker_svc.server import SERVICE_NAME, WorkerServer, load_worker
-from worker_testing import EOS, TINY_VOCAB, make_runner, new_request, plan, save_tiny_llama
-
-from pagedserve.grpc_utils import CHANNEL_OPTIONS, add_health_and_reflection, set_serving
 
 NUM_BLOCKS, BLOCK_SIZE = 32, 4
 PROMPT_A, PROMPT_B = [5, 17, 42, 9, 77, 3], [11, 23, 64, 100, 8]

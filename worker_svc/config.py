@@ -13,7 +13,9 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-ENV_PREFIX = "PAGEDSERVE_"
+from pagedserve.flags import EnvFlags
+from pagedserve.grpc_utils import TLSConfig, add_tls_arguments
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 _UNITS = {
@@ -73,11 +75,21 @@ class WorkerConfig:
     scheduler: str | None = None
     # Stable id of this worker; None: "<hostname>-<pid>".
     worker_id: str | None = None
+    # TLS on the Worker service and on the channel to the scheduler (pagedserve.grpc_utils.TLSConfig).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_require_client_cert: bool = False
     # Logging level, and JSON (True) or console output.
     log_level: str = "info"
     log_json: bool = True
 
+    @property
+    def tls(self) -> TLSConfig:
+        return TLSConfig(self.tls_cert, self.tls_key, self.tls_ca, self.tls_require_client_cert)
+
     def __post_init__(self) -> None:
+        self.tls  # noqa: B018 -- checks the TLS flags go together and the files exist
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.block_size <= 0:
@@ -134,10 +146,6 @@ def _address_towards(peer: str | None) -> str | None:
         return None
 
 
-def _env_bool(value: str) -> bool:
-    return value.strip().lower() in ("1", "true", "yes", "on")
-
-
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     """The `pagedserve worker` flags, each defaulting to its PAGEDSERVE_* variable."""
     parser = argparse.ArgumentParser(
@@ -145,17 +153,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         description="Serve a model's forward pass and sampling over the step protocol (gRPC Worker service).",
     )
 
-    def add(flag: str, convert, help_text: str, default=None, **kwargs) -> None:
-        name = flag.lstrip("-").replace("-", "_")
-        var = ENV_PREFIX + name.upper()
-        if var in env:
-            try:
-                default = convert(env[var])
-            except ValueError as exc:
-                parser.error(f"{var}: {exc}")
-        parser.add_argument(
-            flag, dest=name, type=convert, default=default, help=f"{help_text} (env {var})", **kwargs
-        )
+    flags = EnvFlags(parser, env)
+    add = flags.add
 
     add("--model", str, "model folder, .gguf file, or 'default'")
     add("--dtype", str, "weights and KV cache dtype", default="auto", choices=DTYPES)
@@ -166,16 +165,15 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--max-model-len", int, "longest sequence in tokens (default: the model's)")
     add("--host", str, "address to listen on", default="0.0.0.0")
     add("--port", int, "port to listen on; 0 picks a free one", default=0)
-    add("--advertise-address", str, "host:port the scheduler dials (default: this host's address on the route to the scheduler)")
+    add(
+        "--advertise-address",
+        str,
+        "host:port the scheduler dials (default: this host's address on the route to the scheduler)",
+    )
     add("--scheduler", str, "scheduler address (host:port) to register with")
     add("--worker-id", str, "stable worker id (default: hostname-pid)")
+
+    add_tls_arguments(add, flags.add_bool)
     add("--log-level", str, "debug, info, warning, error", default="info")
-    json_default = _env_bool(env["PAGEDSERVE_LOG_JSON"]) if "PAGEDSERVE_LOG_JSON" in env else True
-    parser.add_argument(
-        "--log-json",
-        dest="log_json",
-        action=argparse.BooleanOptionalAction,
-        default=json_default,
-        help="JSON log lines (--no-log-json: console) (env PAGEDSERVE_LOG_JSON)",
-    )
+    flags.add_bool("--log-json", "JSON log lines (--no-log-json: console)", True)
     return parser

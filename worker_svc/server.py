@@ -21,16 +21,26 @@ from dataclasses import dataclass
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.errors import PagedServeError
+from pagedserve.grpc_utils import (
+    PLAINTEXT,
+    SERVER_OPTIONS,
+    TLSConfig,
+    add_health_and_reflection,
+    listen,
+    open_channel,
+    set_serving,
+)
+from pagedserve.logging import configure_logging, get_logger
+from pagedserve.model_files import load_generation_info, model_name, resolve_model
 from pagedserve.proto import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pagedserve.tracing import setup_tracing
 from pagedserve.worker_svc.config import WorkerConfig
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
 from pagedserve.worker_svc.loader import load_model, parse_dtype
+from pagedserve.worker_svc.request_spans import RequestSpans
 from pagedserve.worker_svc.runner import ModelRunner, PlanError
-
-from pagedserve.errors import PagedServeError
-from pagedserve.grpc_utils import CHANNEL_OPTIONS, SERVER_OPTIONS, add_health_and_reflection, set_serving
-from pagedserve.logging import configure_logging, get_logger
-from pagedserve.model_files import load_generation_info, model_name, resolve_model
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -100,6 +110,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # NOTE: one thread: plans execute strictly in order, and the asyncio loop stays free to
         # receive the next plan (and answer health checks) while a forward pass runs.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-forward")
+        # One span per request while it is here (only for requests that arrive with a trace context).
+        self.spans = RequestSpans()
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -122,6 +134,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 plan, received_at = await plans.get()
                 if plan is _END:
                     return
+                started_ns = time.time_ns()
                 try:
                     result = await self._run(self.runner.execute, plan, received_at)
                 except PlanError as error:
@@ -131,6 +144,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     # NOTE: the state may be half-applied now; the scheduler resets us when it reconnects.
                     log.exception("step_failed", step_id=plan.step_id)
                     await context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id}: {error!r}")
+                self.spans.on_step(plan, started_ns, time.time_ns())
                 yield result
         finally:
             reader.cancel()
@@ -139,6 +153,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Reset(self, request: worker_pb2.ResetRequest, context) -> worker_pb2.ModelInfo:
         await self._run(self.runner.reset)
+        self.spans.end_all("reset")
         log.info("reset")
         return self.info
 
@@ -156,8 +171,10 @@ class Registrar:
         request: engine_pb2.RegisterWorkerRequest,
         initial_backoff: float = 0.5,
         max_backoff: float = 10.0,
+        tls: TLSConfig = PLAINTEXT,
     ):
         self.scheduler = scheduler
+        self.tls = tls
         self.request = request
         self.initial_backoff = initial_backoff
         self.max_backoff = max_backoff
@@ -165,7 +182,7 @@ class Registrar:
         self.registered = asyncio.Event()  # set while the scheduler is known to hold us
 
     async def run(self) -> None:
-        async with grpc.aio.insecure_channel(self.scheduler, options=CHANNEL_OPTIONS) as channel:
+        async with open_channel(self.scheduler, self.tls) as channel:
             engine = engine_pb2_grpc.EngineStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
             while True:
@@ -234,7 +251,7 @@ class WorkerServer:
         return self.config.advertised(self.port)
 
     async def start(self) -> None:
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = listen(self.server, f"{self.config.host}:{self.config.port}", self.config.tls)
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
         await self.server.start()
@@ -252,7 +269,9 @@ class WorkerServer:
                 device=info.device,
                 max_model_len=info.max_model_len,
             )
-            self.registrar = Registrar(self.config.scheduler, request, max_backoff=self.max_register_backoff)
+            self.registrar = Registrar(
+                self.config.scheduler, request, max_backoff=self.max_register_backoff, tls=self.config.tls
+            )
             self._register_task = asyncio.create_task(self.registrar.run())
 
     async def stop(self, grace: float | None = 1.0) -> None:
@@ -296,6 +315,7 @@ async def serve(config: WorkerConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     config = WorkerConfig.from_args(argv)
     configure_logging("worker", config.log_level, json=config.log_json)
+    setup_tracing("pagedserve-worker")
     try:
         asyncio.run(serve(config))
     except (FileNotFoundError, ValueError, PagedServeError) as error:

@@ -1,0 +1,175 @@
+"""Security on a real stack: mutual TLS on every internal link (a plaintext client is refused), API
+keys compared in constant time with one prefix-cache partition per key, request limits with clear
+4xx errors; and model loading that never unpickles."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from stack_testing import Stack, assert_openai_error
+
+from pagedserve.grpc_utils import TLSConfig, open_sync_channel
+from pagedserve.internal_tls import generate
+from pagedserve.proto import engine_pb2, engine_pb2_grpc
+
+KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
+# Long enough for several full blocks (block size 16) of shared prefix.
+SHARED_PROMPT = "You are a careful assistant. " * 12 + "Answer briefly:"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return generate(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def stack(default_model_dir, tmp_path_factory, certs):
+    tls_args = ["--tls-cert", str(certs.cert), "--tls-key", str(certs.key), "--tls-ca", str(certs.ca)]
+    stack = Stack(
+        default_model_dir,
+        tmp_path_factory.mktemp("security-logs"),
+        num_workers=1,
+        tls_args=[*tls_args, "--tls-require-client-cert"],
+        client_tls=TLSConfig(str(certs.cert), str(certs.key), str(certs.ca)),
+        gateway_args=["--api-keys", f"{KEY_A},{KEY_B}", "--max-body-bytes", "100000"],
+    )
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()
+
+
+def _client(stack: Stack, key: str) -> httpx.Client:
+    return httpx.Client(base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {key}"})
+
+
+@pytest.mark.slow
+def test_stack_with_mutual_tls_serves(stack):
+    with _client(stack, KEY_A) as client:
+        response = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.slow
+def test_plaintext_and_certificateless_clients_are_refused_by_the_scheduler(stack, certs):
+    with grpc.insecure_channel(stack.engine_address) as channel, pytest.raises(grpc.RpcError) as info:
+        engine_pb2_grpc.EngineStub(channel).Stats(engine_pb2.StatsRequest(), timeout=3)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    # TLS that trusts the CA but shows no client certificate: mutual TLS refuses it too.
+    no_cert = TLSConfig(ca=str(certs.ca))
+    with open_sync_channel(stack.engine_address, no_cert) as channel, pytest.raises(grpc.RpcError):
+        engine_pb2_grpc.EngineStub(channel).Stats(engine_pb2.StatsRequest(), timeout=3)
+    assert stack.engine_stats().workers[0].healthy  # and the real client gets in
+
+
+@pytest.mark.slow
+def test_wrong_or_missing_key_is_401(stack):
+    for headers in ({"Authorization": "Bearer nope"}, {}, {"Authorization": f"Basic {KEY_A}"}):
+        response = httpx.post(f"{stack.base_url}/v1/completions", json={"prompt": "x"}, headers=headers)
+        assert assert_openai_error(response, 401)["code"] == "invalid_api_key"
+
+
+def _hits(stack: Stack) -> int:
+    return stack.engine_stats().prefix_cache_hits
+
+
+@pytest.mark.slow
+def test_tenants_never_share_cached_blocks_but_one_tenant_does(stack):
+    body = {"prompt": SHARED_PROMPT, "max_tokens": 2}
+    with _client(stack, KEY_A) as a, _client(stack, KEY_B) as b:
+        start = _hits(stack)
+        first = a.post("/v1/completions", json=body).json()
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        # Another tenant with the very same prompt: no hit (nothing to learn from its latency).
+        other = b.post("/v1/completions", json=body).json()
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert _hits(stack) == start
+        # An explicit cache_salt cannot reach into another tenant's partition either.
+        salted = b.post("/v1/completions", json={**body, "cache_salt": "x"}).json()
+        assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert _hits(stack) == start
+        # The same tenant again: its own blocks are reused.
+        again = a.post("/v1/completions", json=body).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert _hits(stack) > start
+        # Within a tenant, a different cache_salt is a different partition.
+        a_salted = a.post("/v1/completions", json={**body, "cache_salt": "private"}).json()
+        assert a_salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "n": 17}, "n"),
+        ({"prompt": "x", "stop": [f"s{i}" for i in range(17)]}, "stop"),
+        ({"prompt": "x", "stop": ["y" * 257]}, "stop"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt": "word " * 9000, "max_tokens": 1}, "prompt"),
+        ({"prompt": "x", "max_tokens": 10**6}, "max_tokens"),
+    ],
+)
+def test_request_limits_are_clear_400s(stack, body, param):
+    with _client(stack, KEY_A) as client:
+        response = client.post("/v1/completions", json=body)
+    error = assert_openai_error(response, 400)
+    assert error["param"] == param, error
+
+
+@pytest.mark.slow
+def test_body_over_the_limit_is_413(stack):
+    with _client(stack, KEY_A) as client:
+        response = client.post("/v1/completions", json={"prompt": "x" * 200_000})
+    assert_openai_error(response, 413)
+
+
+def test_api_keys_compare_in_constant_time_and_map_to_distinct_tenants():
+    from pagedserve.gateway.auth import ApiKeys, combined_salt
+
+    keys = ApiKeys([KEY_A, KEY_B])
+    a, b = keys.tenant(KEY_A.encode()), keys.tenant(KEY_B.encode())
+    assert a and b and a != b and KEY_A not in a
+    assert keys.tenant(b"tenant-a-ke") is None and keys.tenant(b"") is None
+    assert keys.tenant_from_header(f"Bearer {KEY_B}") == b
+    assert combined_salt(a, "s") != combined_salt(b, "s") != combined_salt("", "s")
+    assert ApiKeys([]).tenant(b"anything") == ""
+
+
+def test_a_folder_with_only_pickle_weights_is_refused(tmp_path: Path, default_model_dir: Path):
+    import torch
+
+    from pagedserve.worker_svc.loader import load_model
+
+    (tmp_path / "config.json").write_text((default_model_dir / "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not unpickled, ever")
+    with pytest.raises(FileNotFoundError, match=r"pytorch_model\.bin: pickle checkpoints are not loaded"):
+        load_model(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_tls_flags_must_go_together(tmp_path: Path):
+    with pytest.raises(ValueError, match="go together"):
+        TLSConfig(cert=str(tmp_path / "c.pem"))
+    with pytest.raises(ValueError, match="needs --tls-ca"):
+        TLSConfig(require_client_cert=True)
+    assert json.dumps(TLSConfig().enabled) == "false"
+
+
+def test_launcher_internal_tls_gives_every_service_mutual_tls(tmp_path: Path):
+    from pagedserve.launcher import _child_args, build_parser
+
+    config = vars(build_parser().parse_args(["--workers", "2", "--internal-tls", "--shutdown-timeout", "7"]))
+    from pagedserve.launcher import LaunchConfig
+
+    certs = generate(tmp_path)
+    scheduler, workers, gateway = _child_args(LaunchConfig(**config), "/m", "127.0.0.1:1", 1, certs)
+    for args in (scheduler, *workers):
+        assert "--tls-require-client-cert" in args and str(certs.ca) in args
+    assert str(certs.cert) in gateway and "--tls-require-client-cert" not in gateway
+    assert scheduler[scheduler.index("--shutdown-timeout") + 1] == "7.0"
+    assert gateway[gateway.index("--shutdown-timeout") + 1] == "7.0"
