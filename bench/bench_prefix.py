@@ -7,7 +7,7 @@ its first token in the engine loop. With the cache on, the first request compute
 and every later one only the part after the last full shared block. The median over requests is
 compared; the team's goal is a ratio >= 20x.
 
-    .venv/bin/python bench/bench_prefix.py [--num-questions 8] [--words 600] [--dtype auto]
+    .venv/bin/python bench/bench_prefix.py [--num-questions 8] [--words 600] [--dtype auto] [--threads N]
 
 Prints a table and writes bench/results/bench_prefix.{json,png}.
 """
@@ -99,6 +99,12 @@ _WORDS = [
 ]
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def system_prompt(words: int, seed: int) -> str:
     rng = np.random.default_rng(seed)
     sentences, n = [], 0
@@ -135,7 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-questions", type=int, default=8)
     parser.add_argument("--words", type=int, default=600, help="words in the shared system prompt")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     from pagedserve.llm import LLM
 
@@ -164,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"shared system prompt: {args.words} words; prompts {min(prompt_tokens)}-{max(prompt_tokens)} tokens; "
-        f"{args.num_questions} requests one after another"
+        f"{args.num_questions} requests one after another; {torch_threads()} threads"
     )
     print(f"{'prefix cache':<13} {'median TTFT ms':>15} {'first ms':>9} {'hit rate':>9}")
     for key in ("off", "on"):

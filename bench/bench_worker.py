@@ -67,14 +67,18 @@ def flops_per_token(model, context: int) -> float:
     matmul_params = sum(
         p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name
     )
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and model.tied_head is None:  # the embedding matrix, as the head
         matmul_params += cfg.vocab_size * cfg.hidden_size
     attention = 2 * cfg.num_layers * context * cfg.num_heads * cfg.head_dim
     return 2 * (matmul_params + attention)
 
 
 def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes a decode step streams: every weight once (a tied head's packed copy counts, not the plain
+    embedding matrix it copies)."""
+    params = model.named_parameters()
+    skip = "embed_tokens." if model.tied_head is not None else None
+    return sum(p.numel() * p.element_size() for name, p in params if not (skip and name.startswith(skip)))
 
 
 def decode_plans(batch: int, context: int, block_size: int, vocab: int, steps: int):

@@ -20,7 +20,7 @@ the LM head once per output token, attention 4*layers*heads*head_dim*context per
 fraction of this machine's measured matmul FLOP/s (bench_worker's measure_matmul_flops) achieved.
 
     .venv/bin/python bench/compare_transformers.py [--num-requests 64] [--hf-batch-sizes 4,8,16,32]
-        [--skip-hf-cb] [--dtype auto] [--model default]
+        [--skip-hf-cb] [--dtype auto] [--hf-dtype float32] [--threads N] [--model default]
 
 Prints a table and writes bench/results/compare_transformers.{json,png}.
 """
@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from pagedserve.bench.datasets import PromptMaker
-from pagedserve.model_files import load_tokenizer, resolve_model
+from pagedserve.model_files import load_tokenizer, model_name, resolve_model
 from pagedserve.worker_svc.loader import parse_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -271,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--hf-dtype",
+        default=None,
+        help="transformers' dtype (default: the same as --dtype); float32 is the issue's baseline",
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", default="30,500", help="min,max prompt tokens")
     parser.add_argument("--output-len", default="16,160", help="min,max output tokens")
@@ -299,9 +304,10 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = resolve_model(args.model)
     dtype = parse_dtype(args.dtype, "cpu")
+    hf_dtype = parse_dtype(args.hf_dtype or args.dtype, "cpu")
     tokenizer = load_tokenizer(model_dir)
     work = build_workload(tokenizer, args.num_requests, prompt_range, output_range, args.seed)
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=hf_dtype).eval()
     cfg = hf.config.to_dict()
     matmul_params = sum(
         p.numel() for n, p in hf.named_parameters() if p.dim() == 2 and "embed_tokens" not in n
@@ -314,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         f"measuring this machine's matmul rate ({torch.get_num_threads()} threads, {dtype}) ...", flush=True
     )
     machine_flops = measure_matmul_flops(dtype)
+    if hf_dtype != dtype:
+        print(f"transformers runs in {hf_dtype}, pagedserve in {dtype}; 'of peak' is against {dtype}'s rate")
     n_prompt = sum(len(w.prompt_ids) for w in work)
     n_out = sum(w.output_len for w in work)
     print(
@@ -360,8 +368,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     summary = {
-        "model": str(model_dir.name),
+        "model": model_name(model_dir),
         "dtype": str(dtype),
+        "hf_dtype": str(hf_dtype),
         "threads": torch.get_num_threads(),
         "workload": {
             "num_requests": len(work),
@@ -380,8 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.out.with_suffix(".json")
     json_path.write_text(json.dumps(summary, indent=2) + "\n")
     title = (
-        f"{model_dir.name}, {dtype}, {len(work)} requests (prompts {prompt_range[0]}-{prompt_range[1]}, "
-        f"outputs {output_range[0]}-{output_range[1]} tokens), {torch.get_num_threads()} CPU threads"
+        f"{model_name(model_dir)}: pagedserve {str(dtype).removeprefix('torch.')}, transformers "
+        f"{str(hf_dtype).removeprefix('torch.')}, {torch.get_num_threads()} CPU thread(s)\n{len(work)} requests, "
+        f"prompts {prompt_range[0]}-{prompt_range[1]} tokens, outputs {output_range[0]}-{output_range[1]} tokens"
     )
     plot(
         rows + [r for r in static_rows if r["system"] not in {x["system"] for x in rows}],

@@ -63,8 +63,12 @@ if ! $PY -c "import cupy" 2>/dev/null; then
     say "no cupy-cuda${major}x wheel in .whl/; the CUDA kernels cannot load"
   fi
 fi
-for pkg in pytest matplotlib; do
-  $PY -c "import $pkg" 2>/dev/null || $PY -m pip install --no-index --find-links .whl "$pkg" >>"$LOG" 2>&1 || true
+# Pure-Python dependencies the GPU image may lack (structlog: the kernel switch logs its fallback).
+# Carry them as wheels, fetched here beforehand:
+#   pip download --no-deps --only-binary=:all: -d .whl structlog pytest-timeout
+for pkg in pytest matplotlib structlog pytest_timeout; do
+  $PY -c "import $pkg" 2>/dev/null || $PY -m pip install --no-index --find-links .whl "${pkg//_/-}" >>"$LOG" 2>&1 \
+    || say "missing python package $pkg (no wheel in .whl/)"
 done
 if ! $PY -c "import pagedserve.kernels.cuda_ops" 2>/dev/null; then
   stage "install pagedserve (no deps)" 120 $PY -m pip install --no-deps --no-build-isolation -e .

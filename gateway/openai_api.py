@@ -1,11 +1,13 @@
-"""The OpenAI-compatible HTTP API (FastAPI): routes, SSE streaming, errors, auth, body limit, disconnects."""
+"""The OpenAI-compatible HTTP API (FastAPI): routes, SSE streaming, errors, auth, body limit, disconnects.
+
+The response bodies and stream chunks are shaped in openai_format.py.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +44,7 @@ from .generation import (
     UsageInfo,
     new_request_id,
 )
+from .openai_format import ChatFormatter, CompletionFormatter
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -170,7 +173,7 @@ def create_app(
             Prompt(tokenizer.encode(p), p) if isinstance(p, str) else Prompt(list(p)) for p in req.prompts()
         ]
         gen = _build(state, request, "cmpl", prompts, sp, req, param="prompt")
-        out = _CompletionFormatter(state, req, gen)
+        out = CompletionFormatter(tokenizer, model.name, req, gen)
         if req.stream:
             return await _sse_response(request, state.core.generate(gen), out.chunks)
         return JSONResponse(await _until_disconnect(request, out.collect(state.core.generate(gen))))
@@ -186,7 +189,7 @@ def create_app(
         gen = _build(
             state, request, "chatcmpl", prompts, sp, req, param="messages", max_tokens_param=max_param
         )
-        out = _ChatFormatter(state, req, gen)
+        out = ChatFormatter(tokenizer, model.name, req, gen)
         if req.stream:
             return await _sse_response(request, state.core.generate(gen), out.chunks)
         return JSONResponse(await _until_disconnect(request, out.collect(state.core.generate(gen))))
@@ -294,264 +297,6 @@ async def _sse_response(
     # NOTE: Starlette cancels this body when the client disconnects; the cancellation runs the
     # generators' finally blocks, which cancel the engine call and abort the request.
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-# ---- response shapes ----
-
-
-def _usage_dict(usage: UsageInfo) -> dict:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
-
-
-class _CompletionFormatter:
-    """/v1/completions: text_completion objects and chunks, with the completions logprobs format."""
-
-    def __init__(self, state: GatewayState, req: CompletionRequest, gen: GenerationRequest):
-        self.tok = state.tokenizer
-        self.req = req
-        self.gen = gen
-        self.id = gen.request_id
-        self.created = int(time.time())
-        self.model = state.model.name
-        self.n = gen.n
-        self.num_choices = len(gen.prompts) * self.n
-        self.offsets = [0] * self.num_choices  # text offset of each choice's next token
-        self.started = [False] * self.num_choices
-
-    def _echo(self, index: int, delta: ChoiceDelta) -> tuple[str, dict | None]:
-        """The prompt part a choice starts with when echo is set: its text and logprobs."""
-        prompt = self.gen.prompts[index // self.n]
-        text = prompt.text if prompt.text is not None else self.tok.decode(prompt.token_ids)
-        lp = None
-        if self.req.logprobs is not None:
-            entries = list(delta.prompt_logprobs or [])
-            lp = self._logprobs(index, prompt.token_ids, entries, first_is_none=True)
-        return text, lp
-
-    def _logprobs(self, index: int, token_ids: list[int], entries: list, first_is_none: bool = False) -> dict:
-        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        # Prompt logprobs start at the second token: the first has no context.
-        shift = 1 if first_is_none and len(entries) == len(token_ids) - 1 else 0
-        for k, token_id in enumerate(token_ids):
-            text = self.tok.token_text(token_id)
-            entry = entries[k - shift] if 0 <= k - shift < len(entries) else None
-            out["tokens"].append(text)
-            out["text_offset"].append(self.offsets[index])
-            self.offsets[index] += len(text)
-            if entry is None:
-                out["token_logprobs"].append(None)
-                out["top_logprobs"].append(None)
-                continue
-            out["token_logprobs"].append(entry.logprob)
-            top = {
-                self.tok.token_text(t): lp
-                for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=False)
-            }
-            top.setdefault(text, entry.logprob)
-            out["top_logprobs"].append(top)
-        return out
-
-    def _choice_part(self, delta: ChoiceDelta) -> tuple[str, dict | None]:
-        """A delta's text and completions-format logprobs; a choice's first one starts with the echo."""
-        i = delta.index
-        prefix, lp = "", None
-        if not self.started[i]:
-            self.started[i] = True
-            if self.req.echo:
-                prefix, lp = self._echo(i, delta)
-        if self.req.logprobs is not None:
-            out = self._logprobs(i, delta.token_ids, delta.logprobs)
-            if lp is None:
-                lp = out
-            else:
-                for key in lp:
-                    lp[key].extend(out[key])
-        return prefix + delta.text, lp
-
-    async def collect(self, items: AsyncIterator[ChoiceDelta | UsageInfo]) -> dict:
-        texts: list[list[str]] = [[] for _ in range(self.num_choices)]
-        lps: list[dict | None] = [None] * self.num_choices
-        finish: list[str | None] = [None] * self.num_choices
-        stop_reason: list[Any] = [None] * self.num_choices
-        usage = UsageInfo()
-        async for item in items:
-            if isinstance(item, UsageInfo):
-                usage = item
-                continue
-            text, lp = self._choice_part(item)
-            texts[item.index].append(text)
-            if lp is not None:
-                if lps[item.index] is None:
-                    lps[item.index] = lp
-                else:
-                    for key in lp:
-                        lps[item.index][key].extend(lp[key])
-            if item.finish_reason is not None:
-                finish[item.index], stop_reason[item.index] = item.finish_reason, item.stop_reason
-        choices = [
-            {
-                "index": i,
-                "text": "".join(texts[i]),
-                "logprobs": lps[i] if self.req.logprobs is not None else None,
-                "finish_reason": finish[i],
-                "stop_reason": stop_reason[i],
-            }
-            for i in range(self.num_choices)
-        ]
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": _usage_dict(usage),
-        }
-
-    async def chunks(self, items: AsyncIterator[ChoiceDelta | UsageInfo]) -> AsyncIterator[dict]:
-        include_usage = self.req.include_usage
-        async for item in items:
-            if isinstance(item, UsageInfo):
-                if include_usage:
-                    yield self._chunk([], usage=_usage_dict(item))
-                continue
-            text, lp = self._choice_part(item)
-            if not text and lp is None and item.finish_reason is None:
-                continue
-            choice = {
-                "index": item.index,
-                "text": text,
-                "logprobs": lp,
-                "finish_reason": item.finish_reason,
-                "stop_reason": item.stop_reason,
-            }
-            yield self._chunk([choice], usage=None) if include_usage else self._chunk([choice])
-
-    def _chunk(self, choices: list, **extra: Any) -> dict:
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            **extra,
-        }
-
-
-class _ChatFormatter:
-    """/v1/chat/completions: chat.completion objects and chunks, with the chat logprobs format."""
-
-    def __init__(self, state: GatewayState, req: ChatCompletionRequest, gen: GenerationRequest):
-        self.tok = state.tokenizer
-        self.req = req
-        self.id = gen.request_id
-        self.created = int(time.time())
-        self.model = state.model.name
-        self.num_choices = len(gen.prompts) * gen.n
-
-    def _logprobs(self, delta: ChoiceDelta) -> dict | None:
-        if not self.req.logprobs:
-            return None
-        content = []
-        for token_id, entry in zip(delta.token_ids, delta.logprobs, strict=False):
-            content.append(
-                {
-                    "token": self.tok.token_text(token_id),
-                    "logprob": entry.logprob,
-                    "bytes": list(self.tok.token_bytes(token_id)),
-                    "top_logprobs": [
-                        {
-                            "token": self.tok.token_text(t),
-                            "logprob": lp,
-                            "bytes": list(self.tok.token_bytes(t)),
-                        }
-                        for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=False)
-                    ][: self.req.top_logprobs or 0],
-                }
-            )
-        return {"content": content}
-
-    async def collect(self, items: AsyncIterator[ChoiceDelta | UsageInfo]) -> dict:
-        texts: list[list[str]] = [[] for _ in range(self.num_choices)]
-        lps: list[list] = [[] for _ in range(self.num_choices)]
-        finish: list[str | None] = [None] * self.num_choices
-        stop_reason: list[Any] = [None] * self.num_choices
-        usage = UsageInfo()
-        async for item in items:
-            if isinstance(item, UsageInfo):
-                usage = item
-                continue
-            texts[item.index].append(item.text)
-            lp = self._logprobs(item)
-            if lp is not None:
-                lps[item.index].extend(lp["content"])
-            if item.finish_reason is not None:
-                finish[item.index], stop_reason[item.index] = item.finish_reason, item.stop_reason
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": "".join(texts[i])},
-                "logprobs": {"content": lps[i]} if self.req.logprobs else None,
-                "finish_reason": finish[i],
-                "stop_reason": stop_reason[i],
-            }
-            for i in range(self.num_choices)
-        ]
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": _usage_dict(usage),
-        }
-
-    async def chunks(self, items: AsyncIterator[ChoiceDelta | UsageInfo]) -> AsyncIterator[dict]:
-        include_usage = self.req.include_usage
-        extra = {"usage": None} if include_usage else {}
-        for i in range(self.num_choices):  # the first delta of every choice carries the role
-            yield self._chunk(
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-                **extra,
-            )
-        async for item in items:
-            if isinstance(item, UsageInfo):
-                if include_usage:
-                    yield self._chunk([], usage=_usage_dict(item))
-                continue
-            lp = self._logprobs(item)
-            if not item.text and lp is None and item.finish_reason is None:
-                continue
-            choice: dict[str, Any] = {
-                "index": item.index,
-                "delta": {"content": item.text} if item.text else {},
-                "logprobs": lp,
-                "finish_reason": item.finish_reason,
-            }
-            if item.finish_reason is not None:
-                choice["stop_reason"] = item.stop_reason
-            yield self._chunk([choice], **extra)
-
-    def _chunk(self, choices: list, **extra: Any) -> dict:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            **extra,
-        }
 
 
 # ---- auth, body size, draining (plain ASGI: runs before FastAPI parses anything) ----

@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, as vLLM and OpenAI do. Types are checked by pydantic; value ranges by
 `check_sampling_params`, which the gRPC API shares, so both APIs refuse the same requests with the
-same messages. Responses are plain dicts built in openai_api.py (cheaper to serialize per token).
+same messages. Responses are plain dicts built in openai_format.py (cheaper to serialize per token).
 """
 
 from __future__ import annotations

@@ -6,10 +6,11 @@ block_id * block_size + offset_in_block. Attention gathers each sequence's K/V t
 into a dense [.., num_kv_heads, ctx, head_dim] tensor and runs dense attention over it; that copy is
 the price of staying in stock PyTorch.
 
-Positions at or beyond a sequence's context length are never read: their gather index is redirected to
-the sequence's first slot (always valid, since a sequence attends to at least itself) and their score
-is masked to -inf. Reading the real slot there instead would let garbage (e.g. NaN in a recycled block)
-reach the output through 0 * NaN in probs @ V.
+Positions at or beyond a sequence's context length must not reach the output: garbage there (e.g. NaN
+in a recycled block) would do so through 0 * NaN in probs @ V. Prefill redirects their gather index to
+the sequence's first slot (always valid, since a sequence attends to at least itself); decode gathers
+whole blocks, so it zeroes their V rows instead. Either way their score is masked to -inf, and block
+table entries past a sequence's last block are never dereferenced.
 """
 
 from __future__ import annotations
@@ -117,18 +118,44 @@ def paged_decode_attention(
 def _decode(query, k_cache, v_cache, block_tables, context_lens, scale, max_ctx, dtype):
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
-    slots, valid = _slots(block_tables, context_lens, block_size, max_ctx)
-    k = _gather(k_cache, slots, dtype)  # [B, Hkv, L, D]
-    v = _gather(v_cache, slots, dtype)
+    assert block_tables.shape[1] * block_size >= max_ctx, (block_tables.shape, block_size, max_ctx)
+    num_blocks_used = -(-max_ctx // block_size)
+    lens = context_lens.to(torch.int64).unsqueeze(1)
+    # Table entries past a sequence's last block are padding: they point at its first block instead.
+    tables = block_tables[:, :num_blocks_used].to(torch.int64)
+    used = torch.arange(num_blocks_used, device=tables.device) * block_size < lens
+    tables = torch.where(used, tables, tables[:, :1])
+    k = _gather_blocks(k_cache, tables, dtype)  # [B, Hkv, L, D], L = num_blocks_used * block_size
+    v = _gather_blocks(v_cache, tables, dtype)
+    # Positions at or past a sequence's context length are masked; they can only lie from the shortest
+    # context's last full block on. Their V rows are zeroed as well: 0 * NaN (a recycled block) is NaN.
+    first = int(context_lens.min()) // block_size * block_size
+    invalid = torch.arange(first, k.shape[2], device=lens.device) >= lens  # [B, L - first]
+    v[:, :, first:].masked_fill_(invalid[:, None, :, None], 0.0)
     # GQA: the G query heads of one kv head become G query rows against that head's K/V, so K/V are
     # never repeated per query head.
     group = num_heads // num_kv_heads
     q = query.view(batch, num_kv_heads, group, head_dim).to(dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, L]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    scores[..., first:].masked_fill_(invalid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v)  # [B, Hkv, G, D]
     return out.view(batch, num_heads, head_dim).to(query.dtype)
+
+
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache blocks at tables [S, N] -> [S, num_kv_heads, N * block_size, head_dim] in dtype, contiguous in
+    that order (what the attention matmuls want).
+
+    NOTE: whole blocks are gathered (block_size times fewer indices than gathering slot rows, and each
+    a contiguous run of block_size * num_kv_heads * head_dim elements); the head-major transpose and the
+    widening to dtype are then one copy. bf16, SmolLM2 shapes, 1 thread, against per-slot row gathers:
+    batch 1 x ctx 512 0.240 -> 0.204 ms, batch 16 x ctx 2048 12.7 -> 10.3 ms per call."""
+    num_seqs, n = tables.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    blocks = cache.index_select(0, tables.flatten()).view(num_seqs, n * block_size, num_kv_heads, head_dim)
+    out = torch.empty(num_seqs, num_kv_heads, n * block_size, head_dim, dtype=dtype, device=cache.device)
+    return out.copy_(blocks.transpose(1, 2))
 
 
 def paged_prefill_attention(

@@ -96,6 +96,22 @@ class TLSConfig:
 PLAINTEXT = TLSConfig()
 
 
+@dataclass(slots=True)
+class ServiceTLSFields:
+    """The TLS flags of a gRPC service (the scheduler, a worker) as config fields: its config inherits
+    them, so `add_tls_arguments` fills them and `tls` reads them in one place."""
+
+    # TLS on the service and on the channels it opens (see TLSConfig).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_require_client_cert: bool = False
+
+    @property
+    def tls(self) -> TLSConfig:
+        return TLSConfig(self.tls_cert, self.tls_key, self.tls_ca, self.tls_require_client_cert)
+
+
 def add_tls_arguments(add, add_bool) -> None:
     """The four TLS flags, through a service's own `add(flag, convert, help)` / `add_bool` helpers."""
     add("--tls-cert", str, "PEM certificate for TLS on the internal gRPC links")

@@ -51,6 +51,7 @@ class LaunchConfig:
     device: str
     kv_cache_memory: str | None
     num_blocks: int | None
+    threads: int | None
     # Passed through to the gateway (None: no authentication); api_keys: more keys, one per tenant.
     api_key: str | None
     api_keys: str | None
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="worker torch device")
     parser.add_argument("--kv-cache-memory", default=None, help="KV pool budget per worker, e.g. 2GiB")
     parser.add_argument("--num-blocks", type=int, default=None, help="exact KV blocks per worker")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     parser.add_argument("--api-key", default=env.get("PAGEDSERVE_API_KEY"), help="required bearer token")
     parser.add_argument(
         "--api-keys", default=env.get("PAGEDSERVE_API_KEYS"), help="comma-separated keys, one per tenant"
@@ -257,6 +259,7 @@ def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, sched
         for flag, value in [
             ("--kv-cache-memory", config.kv_cache_memory),
             ("--num-blocks", config.num_blocks),
+            ("--threads", config.threads),
             ("--max-model-len", config.max_model_len),
         ]:
             if value is not None:

@@ -143,7 +143,14 @@ class LLM:
         num_blocks: int | None = None,
         seed: int = 0,
         device: str = "cpu",
+        threads: int | None = None,
     ):
+        # threads: torch intra-op threads for the CPU model (None: torch's default, one per core).
+        # NOTE: on a CPU shared with other busy processes, 1 can be much faster than 2: libgomp's
+        # workers spin at every barrier, so one descheduled thread stalls each op (2-core box at load
+        # ~3.5: a 27-token step 105 ms with 1 thread, ~3 s with 2).
+        if threads is not None:
+            torch.set_num_threads(threads)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device_ = torch.device(device)

@@ -1,16 +1,9 @@
-"""The engine: one step loop per worker, the client request streams, routing, and worker failure.
+"""The engine: the registered workers, the live request streams, routing, and worker failure.
 
-Each registered worker gets a `WorkerEngine`: its own scheduler core (block pool + prefix trie), its
-plan builder, and one `Worker.Steps` stream. The loop keeps up to `max_inflight_plans` plans in flight,
-so plan N+1 is built, encoded and on the wire while the worker computes step N; when the core has
-nothing to schedule (`Scheduler.has_work()`) it sends no plan and sleeps on an event that new
-requests and aborts set.
-
-A client request (`RequestStream`) records what its client has already been sent. When a worker's
-stream breaks, its requests go back to the router with exactly those tokens as their output so far
-(each unfinished sequence on its own, with its index and child seed) and are recomputed on a
-surviving worker, so the client sees no lost or repeated token and seeded draws stay the same. With no
-healthy worker left they wait (bounded) for one to register.
+Each registered worker gets a `WorkerEngine` (worker_loop.py) that runs its step loop; each client
+request is a `RequestStream` (request_stream.py). When a worker's stream breaks, its requests go back
+to the router with what their clients have already been sent and are recomputed on a surviving worker;
+with no healthy worker left they wait (bounded) for one to register.
 """
 
 from __future__ import annotations
@@ -20,293 +13,27 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import grpc
-from opentelemetry import trace
 
 from pagedserve.errors import InvalidRequestError, OverloadedError, PagedServeError, UnavailableError
 from pagedserve.grpc_utils import WORKER_CHANNEL_OPTIONS, open_channel
 from pagedserve.logging import get_logger
 from pagedserve.proto import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
-from pagedserve.scheduler_svc.config import SchedulerConfig
-from pagedserve.scheduler_svc.metrics import EngineMetrics, WorkerCounters
-from pagedserve.scheduler_svc.plan import PlanBuilder
-from pagedserve.scheduler_svc.request import Request
+from pagedserve.scheduler_svc.metrics import EngineMetrics
+from pagedserve.scheduler_svc.request_stream import END, RequestStream
 from pagedserve.scheduler_svc.router import choose_worker
 from pagedserve.scheduler_svc.scheduler import RequestOutput, Scheduler, SchedulerOutput
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
-from pagedserve.tracing import get_tracer, inject_metadata
+from pagedserve.scheduler_svc.worker_loop import WorkerEngine
 
 log = get_logger("pagedserve.scheduler.engine")
-tracer = get_tracer("pagedserve.scheduler")
 
 FINISH_NAMES = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
 }
-# Sentinel that ends a RequestStream's queue.
-END = None
-
-
-class WorkerLost(Exception):
-    """The worker's Steps stream ended or broke."""
-
-
-@dataclass(slots=True)
-class SequenceProgress:
-    # Tokens the client has been sent for this sequence, in order.
-    token_ids: list[int] = field(default_factory=list)
-    # FINISH_REASON_UNSPECIFIED while it runs.
-    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
-    # Monotonic seconds of the first and of the latest token (None before the first).
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-
-
-class RequestStream:
-    """One Generate call: the queue its messages go through, and what its client has seen."""
-
-    def __init__(self, msg: engine_pb2.EngineGenerateRequest, span=None):
-        self.request_id = msg.request_id
-        self.msg = msg
-        self.n = max(1, msg.sampling.n)
-        # Wall-clock arrival (the core's unit) and monotonic arrival (for latencies).
-        self.arrival_time = time.time()
-        self.arrival = time.monotonic()
-        self.sequences = [SequenceProgress() for _ in range(self.n)]
-        # EngineGenerateResponse messages, then END; or a PagedServeError.
-        self.queue: asyncio.Queue = asyncio.Queue()
-        # The worker computing it; None while it waits for one.
-        self.worker: WorkerEngine | None = None
-        # Prompt tokens served from the prefix cache at the first admission (-1: not known yet).
-        self.cached_prompt_tokens = -1
-        # Monotonic seconds it was first scheduled (None: still queued).
-        self.first_scheduled: float | None = None
-        self.done = False
-        self.span = span
-        # The span's W3C trace context, handed to the worker with each of its sequences (empty when
-        # tracing is off).
-        self.trace_context = (
-            dict(inject_metadata(trace.set_span_in_context(span))) if span is not None else {}
-        )
-        # Cancels the wait for a worker when none is healthy.
-        self.wait_timer: asyncio.TimerHandle | None = None
-        # Prompt log-probabilities received and not sent yet; sent once on the first message.
-        self.prompt_logprobs: list[common_pb2.TokenLogprob] = []
-        self.prompt_logprobs_sent = False
-
-    @property
-    def num_unfinished(self) -> int:
-        return sum(1 for s in self.sequences if s.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED)
-
-    def usage(self) -> common_pb2.Usage:
-        return common_pb2.Usage(
-            prompt_tokens=len(self.msg.prompt_token_ids),
-            completion_tokens=sum(len(s.token_ids) for s in self.sequences),
-            cached_prompt_tokens=max(0, self.cached_prompt_tokens),
-        )
-
-    def core_requests(self, eos_token_ids: frozenset[int]) -> list[Request]:
-        """What is left of this stream, for a worker's core: the whole request while its client has
-        seen nothing, else each unfinished sequence on its own, carrying on after the tokens already
-        streamed (its outputs stay outputs, its seed stays the child seed: after a worker failure it
-        continues exactly as it would have, seeded draws and penalties included)."""
-        if all(not s.token_ids for s in self.sequences) and self.num_unfinished == self.n:
-            requests = [Request.from_generate_request(self.msg, eos_token_ids, self.arrival_time)]
-        else:
-            requests = [
-                Request.resume(self.msg, index, seq.token_ids, eos_token_ids, self.arrival_time)
-                for index, seq in enumerate(self.sequences)
-                if seq.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
-            ]
-        for request in requests:
-            request.trace_context = self.trace_context
-        return requests
-
-
-class WorkerEngine:
-    """One worker: its scheduler core, its Steps stream, and the loop that keeps it busy."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        registration: engine_pb2.RegisterWorkerRequest,
-        info: worker_pb2.ModelInfo,
-        channel: grpc.aio.Channel,
-    ):
-        self.engine = engine
-        self.worker_id = registration.worker_id
-        self.address = registration.address
-        self.info = info
-        self.channel = channel
-        self.stub = worker_pb2_grpc.WorkerStub(channel)
-        cfg = engine.config
-        self.core_config = SchedulerConfig(
-            num_blocks=info.num_blocks,
-            block_size=info.block_size,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
-            # NOTE: a sequence must fit the pool alone, or it could never finish (the core refuses
-            # it); a small pool therefore shortens this worker's context rather than failing requests.
-            max_model_len=min(
-                engine.max_model_len,
-                info.max_model_len or engine.max_model_len,
-                info.num_blocks * info.block_size,
-            ),
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            policy=cfg.scheduling_policy,
-        )
-        if self.core_config.max_model_len < engine.max_model_len:
-            log.warning(
-                "worker_context_shortened",
-                worker_id=self.worker_id,
-                max_model_len=self.core_config.max_model_len,
-                reason="its KV pool or its own limit holds fewer tokens than the model's context",
-            )
-        self.scheduler = Scheduler(self.core_config)
-        self.plan_builder = PlanBuilder()
-        self.counters = WorkerCounters()
-        # Request id -> client stream, for the streams this worker's core holds (its sequences are the
-        # core's, under the same id and indices).
-        self.routes: dict[str, RequestStream] = {}
-        self.healthy = False
-        # Set when there may be something new to schedule (a request, an abort).
-        self.wakeup = asyncio.Event()
-        self.task: asyncio.Task | None = None
-        self.closed = False
-
-    # --- what the router reads ---
-    def prefix_hit_tokens(self, token_ids, cache_salt: str) -> int:
-        cache = self.scheduler.kv.cache
-        if cache is None:
-            return 0
-        bs = self.core_config.block_size
-        return len(cache.match(cache_salt, list(token_ids), (len(token_ids) - 1) // bs)) * bs
-
-    def load(self) -> int:
-        return len(self.scheduler.running) + len(self.scheduler.waiting)
-
-    def free_blocks(self) -> int:
-        return self.scheduler.kv.num_free_blocks
-
-    def streams(self) -> list[RequestStream]:
-        return list(self.routes.values())
-
-    # --- requests ---
-    def add(self, stream: RequestStream) -> None:
-        """Queue the stream's sequences here; raises InvalidRequestError if this worker can't take them."""
-        assert self.healthy
-        try:
-            for request in stream.core_requests(self.engine.eos_token_ids):
-                self.scheduler.add_request(request)
-        except ValueError as error:
-            self.scheduler.abort_request(stream.request_id)
-            raise InvalidRequestError(str(error)) from error
-        self.routes[stream.request_id] = stream
-        stream.worker = self
-        self.wakeup.set()
-
-    def abort(self, stream: RequestStream, index: int | None = None) -> None:
-        """Abort sequence `index` of the stream here (its blocks are free at once), or all of them."""
-        self.scheduler.abort_request(stream.request_id, index)
-        if index is None:
-            self.routes.pop(stream.request_id, None)
-            stream.worker = None
-        self.wakeup.set()
-
-    def forget(self, stream: RequestStream) -> None:
-        """The stream is done: drop its route (the core has finished its sequences itself)."""
-        self.routes.pop(stream.request_id, None)
-
-    # --- the step loop ---
-    def start(self) -> None:
-        self.healthy = True
-        self.task = asyncio.create_task(self._run(), name=f"worker-loop-{self.worker_id}")
-
-    async def _run(self) -> None:
-        try:
-            await self._step_loop()
-        except asyncio.CancelledError:
-            raise
-        except (grpc.RpcError, WorkerLost) as error:
-            detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
-            log.warning("worker_lost", worker_id=self.worker_id, address=self.address, error=detail)
-            self.engine.on_worker_failed(self)
-        except Exception:
-            log.exception("worker_loop_failed", worker_id=self.worker_id)
-            self.engine.on_worker_failed(self)
-
-    async def _step_loop(self) -> None:
-        call = self.stub.Steps()
-        # (scheduler output, step span) of each plan sent whose result has not come back, in order.
-        in_flight: deque = deque()
-        max_inflight = self.engine.config.max_inflight_plans
-        scheduler, plan_builder = self.scheduler, self.plan_builder
-        pending_read: asyncio.Future | None = None
-        try:
-            while True:
-                self.wakeup.clear()
-                # NOTE: fill the pipeline first, then wait for the oldest result: plan N+1 is on the
-                # wire while the worker computes step N.
-                while len(in_flight) < max_inflight and scheduler.has_work():
-                    output = scheduler.schedule()
-                    plan = plan_builder.build(output)
-                    span = tracer.start_span(
-                        "worker.step",
-                        attributes={
-                            "worker.id": self.worker_id,
-                            "step.id": plan.step_id,
-                            "step.num_slots": len(plan.slots),
-                            "step.num_scheduled_tokens": output.total_num_scheduled_tokens,
-                        },
-                    )
-                    await call.write(plan)
-                    in_flight.append((output, span))
-                    self.engine.on_scheduled(self, output)
-                # NOTE: one read is always pending, even while idle, so a worker that dies between
-                # requests is noticed at once (its stream ends) rather than at the next plan.
-                if pending_read is None:
-                    pending_read = asyncio.ensure_future(call.read())
-                if not in_flight:
-                    wakeup = asyncio.ensure_future(self.wakeup.wait())
-                    done, _ = await asyncio.wait({pending_read, wakeup}, return_when=asyncio.FIRST_COMPLETED)
-                    if pending_read not in done:
-                        continue
-                    wakeup.cancel()
-                    pending_read.result()  # raises the stream's error, if it broke
-                    raise WorkerLost("the worker's Steps stream ended with no plan in flight")
-                result = await pending_read
-                pending_read = None
-                if result is grpc.aio.EOF:
-                    raise WorkerLost("the worker closed its Steps stream")
-                output, span = in_flight.popleft()
-                span.end()
-                self.counters.observe(result.timings)
-                outputs = scheduler.update_from_output(output, result)
-                self.engine.deliver(self, output, result, outputs)
-        finally:
-            for _, span in in_flight:
-                span.end()
-            if pending_read is not None:
-                pending_read.cancel()
-            call.cancel()
-
-    def reset_core(self) -> None:
-        """Forget every request: a fresh block pool and trie (the worker is Reset before reuse)."""
-        self.routes.clear()
-        self.scheduler = Scheduler(self.core_config)
-        self.plan_builder = PlanBuilder()
-
-    async def close(self) -> None:
-        self.closed = True
-        self.healthy = False
-        if self.task is not None and self.task is not asyncio.current_task():
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self.task
-        await self.channel.close()
 
 
 class Engine:

@@ -10,9 +10,7 @@ least one worker is registered and its step stream is up.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -23,12 +21,14 @@ from opentelemetry.trace import Status, StatusCode
 
 from pagedserve.errors import PagedServeError, abort_with
 from pagedserve.grpc_utils import SERVER_OPTIONS, add_health_and_reflection, listen, set_serving
-from pagedserve.logging import configure_logging, get_logger
+from pagedserve.logging import get_logger
 from pagedserve.model_files import load_generation_info, model_name, resolve_model
 from pagedserve.proto import engine_pb2, engine_pb2_grpc
-from pagedserve.scheduler_svc.engine import END, Engine, RequestStream
+from pagedserve.scheduler_svc.engine import Engine
+from pagedserve.scheduler_svc.request_stream import END, RequestStream
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
-from pagedserve.tracing import extract_context, get_tracer, setup_tracing
+from pagedserve.service_main import run_service, stop_on_signals
+from pagedserve.tracing import extract_context, get_tracer
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 
@@ -167,11 +167,7 @@ async def serve(config: SchedulerServiceConfig) -> None:
     engine = Engine(config, model, eos, max_model_len, vocab_size)
     server = SchedulerServer(config, engine)
     await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     await stop.wait()
     # NOTE: graceful: refuse new requests at once, let the running ones finish (a second signal
     # stops at once), then close the streams that are still live.
@@ -188,14 +184,13 @@ async def serve(config: SchedulerServiceConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = SchedulerServiceConfig.from_args(argv)
-    configure_logging("scheduler", config.log_level, json=config.log_json)
-    setup_tracing("pagedserve-scheduler")
-    try:
-        asyncio.run(serve(config))
-    except (FileNotFoundError, ValueError, RuntimeError) as error:
-        log.error("scheduler_failed", error=str(error))
-        return 1
-    return 0
+    return run_service(
+        "scheduler",
+        config.log_level,
+        config.log_json,
+        lambda: serve(config),
+        (FileNotFoundError, ValueError, RuntimeError),
+    )
 
 
 if __name__ == "__main__":

@@ -13,13 +13,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pagedserve.flags import EnvFlags
-from pagedserve.grpc_utils import TLSConfig, add_tls_arguments
+from pagedserve.grpc_utils import ServiceTLSFields, add_tls_arguments
 
 POLICIES = ("fcfs", "priority")
 
 
 @dataclass(slots=True)
-class SchedulerServiceConfig:
+class SchedulerServiceConfig(ServiceTLSFields):
+    # TLS (inherited): on the Engine service and on the channels to workers.
+
     # Model: a folder, a .gguf file, or None / "default" for the default model. Only its tokenizer's
     # special tokens and generation config are read here, never the weights.
     model: str | None = None
@@ -46,18 +48,9 @@ class SchedulerServiceConfig:
     worker_wait_timeout: float = 60.0
     # Seconds SIGTERM waits for running requests to finish (new ones are refused meanwhile).
     shutdown_timeout: float = 30.0
-    # TLS on the Engine service and on the channels to workers (see pagedserve.grpc_utils.TLSConfig).
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    tls_require_client_cert: bool = False
     # Logging level, and JSON (True) or console output.
     log_level: str = "info"
     log_json: bool = True
-
-    @property
-    def tls(self) -> TLSConfig:
-        return TLSConfig(self.tls_cert, self.tls_key, self.tls_ca, self.tls_require_client_cert)
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in POLICIES:

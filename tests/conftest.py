@@ -14,3 +14,17 @@ def default_model_dir() -> Path:
     from pagedserve.model_files import resolve_model
 
     return resolve_model(None)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The gateway's tokenizer of the default model (a module may define its own `tokenizer`)."""
+    from pagedserve.gateway.tokenization import Tokenizer
+    from pagedserve.model_files import resolve_model
+
+    return Tokenizer.from_model_dir(resolve_model("default"))

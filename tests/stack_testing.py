@@ -1,25 +1,36 @@
-"""A real stack on loopback for the fault, load, fuzz and security tests: one scheduler, N workers and
-a gateway, each its own process, so a test can kill, restart or signal any one of them."""
+"""A real stack of processes on loopback for the end-to-end test modules (one stack per module).
+
+Two shapes, one `Stack`: `pagedserve serve` (serve_args set), the way users run it, or a scheduler, N
+workers and optionally a gateway, each its own process, so a test can kill, restart or signal any one
+of them. Either way every process logs into log_dir, the ports are free loopback ports, and
+`running(stack)` starts it, waits until it serves and stops it.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import grpc
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.grpc_utils import PLAINTEXT, TLSConfig, open_sync_channel
 from pagedserve.proto import engine_pb2, engine_pb2_grpc
 
 LOOPBACK = "127.0.0.1"
+MODEL = "SmolLM2-135M-Instruct"
+STARTUP_TIMEOUT_S = 180  # the launcher gives up by itself after this (so the wait for its banner ends)
 
 
 def free_port() -> int:
@@ -28,23 +39,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "ab")  # noqa: SIM115 -- lives as long as the process
+def _spawn(args: list[str], stdout: IO, stderr: IO | int, env: dict[str, str]) -> subprocess.Popen:
+    # NOTE: its own session (process group), so stopping it also stops whatever it started.
     return subprocess.Popen(
         [sys.executable, "-m", "pagedserve.cli", *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
+        stdout=stdout,
+        stderr=stderr,
         start_new_session=True,
-        env={**os.environ, "PAGEDSERVE_LOG_JSON": "1"},
+        env={**os.environ, **env},
     )
+
+
+def stop_process(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM its process group and wait up to grace_s seconds, then SIGKILL (at once with no grace)."""
+    if process.poll() is not None:
+        return
+    if grace_s > 0:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=grace_s)
+            return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 @dataclass
 class Stack:
     model_dir: Path
     log_dir: Path
+    # Flags for `pagedserve serve`, which then runs the whole stack as one process group; None: each
+    # service is its own process (the fields below shape them).
+    serve_args: list[str] | None = None
+    # Extra environment for every process.
+    env: dict[str, str] = field(default_factory=dict)
     num_workers: int = 2
     num_blocks: int = 256
+    with_gateway: bool = True
     scheduler_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     # TLS flags for every service (None: plaintext); client_tls is what the test itself dials with.
@@ -53,31 +85,93 @@ class Stack:
     engine_port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
     grpc_port: int = field(default_factory=free_port)
+    serve_process: subprocess.Popen | None = None
     scheduler: subprocess.Popen | None = None
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)
     gateway: subprocess.Popen | None = None
+    # Log files held open as long as their processes run.
+    _log_files: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @property
     def engine_address(self) -> str:
         return f"{LOOPBACK}:{self.engine_port}"
 
     @property
-    def base_url(self) -> str:
+    def grpc_address(self) -> str:
+        return f"{LOOPBACK}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
         return f"http://{LOOPBACK}:{self.http_port}"
 
+    @property
+    def openai_base_url(self) -> str:
+        return f"{self.http_url}/v1"
+
+    @property
+    def stdout_path(self) -> Path:
+        """`pagedserve serve`'s stdout: its banner, and spans when they are exported to the console."""
+        return self.log_dir / "stdout.log"
+
+    @property
+    def stderr_path(self) -> Path:
+        """`pagedserve serve`'s stderr: every service's JSON log lines."""
+        return self.log_dir / "stderr.log"
+
     # --- processes ---
+    def start(self, timeout: float = 240.0) -> Stack:
+        if self.serve_args is not None:
+            self._start_serve()
+            return self
+        self.start_scheduler()
+        for i in range(self.num_workers):
+            self.start_worker(f"worker-{i}")
+        if self.with_gateway:
+            self.start_gateway()
+        self.wait_workers(self.num_workers, timeout)
+        if self.with_gateway:
+            self.wait_http_ready(timeout)
+        return self
+
+    def _start_serve(self) -> None:
+        args = ["serve", "--model", str(self.model_dir), "--port", str(self.http_port)]
+        args += ["--grpc-port", str(self.grpc_port), "--scheduler-port", str(self.engine_port)]
+        args += ["--startup-timeout", str(STARTUP_TIMEOUT_S), *(self.serve_args or [])]
+        stdout = self._log_files.enter_context(self.stdout_path.open("w"))
+        stderr = self._log_files.enter_context(self.stderr_path.open("w"))
+        self.serve_process = _spawn(args, stdout, stderr, self.env)
+        banner = self._wait_for_banner()
+        assert any(self.openai_base_url in line for line in banner), banner
+
+    def _wait_for_banner(self) -> list[str]:
+        assert self.serve_process is not None
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S + 30
+        while True:
+            lines = self.stdout_path.read_text().splitlines()
+            if any("Ctrl-C" in line for line in lines):
+                return lines
+            assert self.serve_process.poll() is None, (
+                f"pagedserve serve exited with {self.serve_process.returncode}\n{self.logs()}"
+            )
+            assert time.monotonic() < deadline, f"pagedserve serve did not become ready\n{self.logs()}"
+            time.sleep(0.25)
+
+    def _spawn_service(self, args: list[str], name: str) -> subprocess.Popen:
+        log = self._log_files.enter_context((self.log_dir / f"{name}.log").open("ab"))
+        return _spawn(args, log, subprocess.STDOUT, self.env)
+
     def start_scheduler(self, extra: list[str] | None = None) -> None:
         args = ["scheduler", "--model", str(self.model_dir), "--host", LOOPBACK]
         args += ["--port", str(self.engine_port), "--log-level", "info", *(self.tls_args or [])]
         args += [*self.scheduler_args, *(extra or [])]
-        self.scheduler = _spawn(args, self.log_dir / "scheduler.log")
+        self.scheduler = self._spawn_service(args, "scheduler")
 
     def start_worker(self, worker_id: str) -> None:
         args = ["worker", "--model", str(self.model_dir), "--host", LOOPBACK, "--port", "0"]
         args += ["--scheduler", self.engine_address, "--worker-id", worker_id, "--dtype", "float32"]
         args += ["--device", "cpu", "--num-blocks", str(self.num_blocks), "--log-level", "info"]
         args += self.tls_args or []
-        self.workers[worker_id] = _spawn(args, self.log_dir / f"{worker_id}.log")
+        self.workers[worker_id] = self._spawn_service(args, worker_id)
 
     def start_gateway(self) -> None:
         args = ["gateway", "--host", LOOPBACK, "--port", str(self.http_port)]
@@ -86,25 +180,19 @@ class Stack:
         if self.tls_args:
             args += [a for a in self.tls_args if a != "--tls-require-client-cert"]
         args += self.gateway_args
-        self.gateway = _spawn(args, self.log_dir / "gateway.log")
-
-    def start(self, timeout: float = 240.0) -> Stack:
-        self.start_scheduler()
-        for i in range(self.num_workers):
-            self.start_worker(f"worker-{i}")
-        self.start_gateway()
-        self.wait_workers(self.num_workers, timeout)
-        self.wait_http_ready(timeout)
-        return self
+        self.gateway = self._spawn_service(args, "gateway")
 
     def processes(self) -> list[subprocess.Popen]:
-        return [p for p in [self.gateway, *self.workers.values(), self.scheduler] if p is not None]
+        every = [self.serve_process, self.gateway, *self.workers.values(), self.scheduler]
+        return [p for p in every if p is not None]
 
     def stop(self) -> None:
+        # NOTE: the launcher gets to stop its children itself; separate services are killed at once
+        # (nothing of theirs is checked after the module, and a drain would only cost suite time).
+        grace_s = 30.0 if self.serve_process is not None else 0.0
         for process in self.processes():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            stop_process(process, grace_s)
+        self._log_files.close()
 
     def logs(self) -> str:
         return "\n".join(
@@ -139,13 +227,14 @@ class Stack:
         deadline = time.monotonic() + timeout
         while True:
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                if httpx.get(f"{self.http_url}/health", timeout=2.0).status_code == 200:
                     return
             assert self.gateway is not None and self.gateway.poll() is None, self.logs()
             assert time.monotonic() < deadline, f"gateway not ready\n{self.logs()}"
             time.sleep(0.2)
 
     def wait_idle(self, timeout: float = 5.0) -> engine_pb2.EngineStats:
+        """Stats once no request runs or waits and every block is free."""
         deadline = time.monotonic() + timeout
         while True:
             stats = self.engine_stats()
@@ -157,6 +246,26 @@ class Stack:
                 return stats
             assert time.monotonic() < deadline, f"not idle: {stats}"
             time.sleep(0.05)
+
+    def scrape(self) -> dict[str, float]:
+        """/metrics as {sample name with labels (model_name and the like left out): value}."""
+        text = httpx.get(f"{self.http_url}/metrics", timeout=10).text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
+                key = sample.name + "".join(f"[{k}={v}]" for k, v in sorted(labels.items()))
+                samples[key] = sample.value
+        return samples
+
+
+@contextlib.contextmanager
+def running(stack: Stack) -> Iterator[Stack]:
+    """The stack started and serving until the block ends, then stopped (even if it never came up)."""
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()
 
 
 def assert_openai_error(response: httpx.Response, status: int | None = None) -> dict:
@@ -176,8 +285,6 @@ def stream_completion(
     client: httpx.Client, body: dict, headers: dict | None = None
 ) -> tuple[str, int, str | None]:
     """POST a streaming /v1/completions; returns (text, number of chunks with text, finish reason)."""
-    import json
-
     text, chunks, finish = [], 0, None
     with client.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=headers) as response:
         assert response.status_code == 200, response.read()

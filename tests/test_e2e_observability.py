@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from e2e_stack import MODEL, Stack, running_stack, scrape
+from stack_testing import MODEL, Stack, running
 
 pytestmark = pytest.mark.slow
 
@@ -21,11 +21,12 @@ SERVICES = {"pagedserve-gateway", "pagedserve-scheduler", "pagedserve-worker"}
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(default_model_dir, tmp_path_factory):
     args = ["--dtype", "float32", "--num-blocks", "12", "--max-num-seqs", "2", "--log-level", "info"]
     env = {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    with running_stack(args, env=env, log_dir=tmp_path_factory.mktemp("stack")) as s:
-        s.client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
+    log_dir = tmp_path_factory.mktemp("observability-logs")
+    with running(Stack(default_model_dir, log_dir, serve_args=args, env=env)) as s:
+        s.client = openai.OpenAI(base_url=s.openai_base_url, api_key="unused", max_retries=0, timeout=120)
         yield s
 
 
@@ -130,7 +131,7 @@ def test_log_lines_about_a_request_carry_its_id(stack: Stack):
 
 def test_waiting_running_and_preemptions_show_in_metrics(stack: Stack):
     stack.wait_idle()
-    before = scrape(stack.http_url)
+    before = stack.scrape()
     prompt = "Count from one to one hundred: one, two, three,"
     results: list = []
 
@@ -146,14 +147,14 @@ def test_waiting_running_and_preemptions_show_in_metrics(stack: Stack):
         t.start()
     seen = {"running": 0.0, "waiting": 0.0, "usage": 0.0}
     while any(t.is_alive() for t in threads):
-        now = scrape(stack.http_url)
+        now = stack.scrape()
         seen["running"] = max(seen["running"], now["vllm:num_requests_running"])
         seen["waiting"] = max(seen["waiting"], now["vllm:num_requests_waiting"])
         seen["usage"] = max(seen["usage"], now["vllm:kv_cache_usage_perc"])
         time.sleep(0.1)
     for t in threads:
         t.join()
-    after = scrape(stack.http_url)
+    after = stack.scrape()
     assert seen["running"] == 2 and seen["waiting"] >= 1 and seen["usage"] > 0.5
     # 2 x (about 12 + 100 tokens) do not fit 12 blocks of 16: somebody was preempted and recomputed,
     # and nobody lost or repeated a token.

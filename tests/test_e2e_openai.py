@@ -16,7 +16,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from e2e_stack import MODEL, Stack, running_stack, scrape
+from stack_testing import MODEL, Stack, running
 
 from pagedserve.proto import common_pb2, text_generation_pb2, text_generation_pb2_grpc
 
@@ -33,10 +33,14 @@ MAX_MODEL_LEN = 4096  # 256 blocks of 16 tokens: the pool bounds the context
 
 
 @pytest.fixture(scope="module")
-def served():
+def served(default_model_dir, tmp_path_factory):
     args = ["--api-key", API_KEY, "--dtype", "float32", "--num-blocks", "256", "--log-level", "warning"]
-    with running_stack(args, env={"PAGEDSERVE_MAX_BODY_BYTES": str(MAX_BODY_BYTES)}) as stack:
-        stack.client = openai.OpenAI(base_url=stack.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+    env = {"PAGEDSERVE_MAX_BODY_BYTES": str(MAX_BODY_BYTES)}
+    log_dir = tmp_path_factory.mktemp("e2e-openai-logs")
+    with running(Stack(default_model_dir, log_dir, serve_args=args, env=env)) as stack:
+        stack.client = openai.OpenAI(
+            base_url=stack.openai_base_url, api_key=API_KEY, max_retries=0, timeout=60
+        )
         yield stack
 
 
@@ -71,7 +75,9 @@ def _token_id(served: Stack, text: str) -> int:
 def _sse_events(served: Stack, path: str, body: dict) -> list[str]:
     """The raw `data:` payloads of a streamed response, in order."""
     events = []
-    with httpx.stream("POST", f"{served.base_url}{path}", json=body, headers=AUTH, timeout=60) as response:
+    with httpx.stream(
+        "POST", f"{served.openai_base_url}{path}", json=body, headers=AUTH, timeout=60
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
@@ -255,7 +261,9 @@ def test_chat_logprobs_have_openais_shape(served):
         "logprobs": True,
         "top_logprobs": 2,
     }
-    data = httpx.post(f"{served.base_url}/chat/completions", json=body, headers=AUTH, timeout=60).json()
+    data = httpx.post(
+        f"{served.openai_base_url}/chat/completions", json=body, headers=AUTH, timeout=60
+    ).json()
     content = data["choices"][0]["logprobs"]["content"]
     assert len(content) == data["usage"]["completion_tokens"]
     assert "".join(e["token"] for e in content) == data["choices"][0]["message"]["content"]
@@ -376,7 +384,7 @@ def test_each_error_has_its_status_code_and_openais_shape(served):
     assert status == 404 and "no-such-model" in error["message"]
     status, error = _post_error(served, "/v1/chat/completions", chat, headers={"Authorization": "Bearer no"})
     assert status == 401 and error["type"] == "authentication_error"
-    assert httpx.get(f"{served.base_url}/models", timeout=10).status_code == 401
+    assert httpx.get(f"{served.openai_base_url}/models", timeout=10).status_code == 401
     big = {"model": MODEL, "prompt": "x" * (MAX_BODY_BYTES + 10)}
     status, error = _post_error(served, "/v1/completions", big)
     assert status == 413
@@ -385,15 +393,15 @@ def test_each_error_has_its_status_code_and_openais_shape(served):
         _chat(served, temperature=-1)
     with pytest.raises(openai.NotFoundError):
         served.client.chat.completions.create(model="no-such-model", messages=QUESTION)
-    wrong_key = openai.OpenAI(base_url=served.base_url, api_key="wrong", max_retries=0)
+    wrong_key = openai.OpenAI(base_url=served.openai_base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong_key.chat.completions.create(model=MODEL, messages=QUESTION)
 
 
 def test_the_api_key_guards_only_v1(served):
     # /tokenize, /health and /metrics answered without a key above; /v1 needs it.
-    assert httpx.get(f"{served.base_url}/models", timeout=10).status_code == 401
-    assert httpx.get(f"{served.base_url}/models", headers=AUTH, timeout=10).status_code == 200
+    assert httpx.get(f"{served.openai_base_url}/models", timeout=10).status_code == 401
+    assert httpx.get(f"{served.openai_base_url}/models", headers=AUTH, timeout=10).status_code == 200
     assert httpx.post(f"{served.http_url}/tokenize", json={"prompt": "x"}, timeout=10).status_code == 200
 
 
@@ -402,11 +410,11 @@ def test_the_api_key_guards_only_v1(served):
 
 def test_metrics_move_after_requests(served):
     served.wait_idle()
-    before = scrape(served.http_url)
+    before = served.scrape()
     long_prompt = " ".join(f"word{i}" for i in range(150))  # several full blocks
     for _ in range(2):
         _complete(served, prompt=long_prompt, max_tokens=4)
-    after = scrape(served.http_url)
+    after = served.scrape()
 
     def grew(name: str) -> float:
         return after[name] - before.get(name, 0.0)
@@ -432,7 +440,7 @@ def test_metrics_move_after_requests(served):
     for i, _chunk in enumerate(stream):
         if i == 3:
             break
-    during = scrape(served.http_url)
+    during = served.scrape()
     stream.close()
     assert during["vllm:num_requests_running"] == 1 and during["vllm:num_requests_waiting"] == 0
     assert 0 < during["vllm:kv_cache_usage_perc"] <= 1
@@ -534,11 +542,11 @@ def test_concurrent_requests_each_get_their_own_greedy_answer(served):
 
 def test_sigterm_stops_every_process(served):
     children = subprocess.run(
-        ["pgrep", "-P", str(served.process.pid)], capture_output=True, text=True, check=False
+        ["pgrep", "-P", str(served.serve_process.pid)], capture_output=True, text=True, check=False
     ).stdout.split()
     assert len(children) == 3  # scheduler, worker, gateway
-    os.killpg(served.process.pid, signal.SIGTERM)
-    assert served.process.wait(timeout=30) == 0
+    os.killpg(served.serve_process.pid, signal.SIGTERM)
+    assert served.serve_process.wait(timeout=30) == 0
     for pid in map(int, children):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -11,7 +11,8 @@ import pytest
 from scheduler_fakes import EOS, VOCAB_SIZE, FakeWorker, expected_tokens
 
 from pagedserve.proto import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
-from pagedserve.scheduler_svc.engine import END, Engine, RequestStream
+from pagedserve.scheduler_svc.engine import Engine
+from pagedserve.scheduler_svc.request_stream import END, RequestStream
 from pagedserve.scheduler_svc.server import EngineServicer
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
 
@@ -23,11 +24,6 @@ MAX_MODEL_LEN = 512
 PROMPT = [2 + i % 50 for i in range(21)]
 LENGTH = common_pb2.FINISH_REASON_LENGTH
 ABORT = common_pb2.FINISH_REASON_ABORT
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import httpx
 import pytest
-from stack_testing import Stack, assert_openai_error, stream_completion
+from stack_testing import Stack, assert_openai_error, running, stream_completion
 
 from pagedserve.proto import (
     common_pb2,
@@ -46,15 +46,13 @@ def _bodies() -> list[dict]:
 @pytest.fixture(scope="module")
 def stack(default_model_dir, tmp_path_factory):
     stack = Stack(default_model_dir, tmp_path_factory.mktemp("fault-logs"), num_workers=2)
-    try:
-        yield stack.start()
-    finally:
-        stack.stop()
+    with running(stack):
+        yield stack
 
 
 @pytest.fixture(scope="module")
 def client(stack):
-    with httpx.Client(base_url=stack.base_url, timeout=120) as client:
+    with httpx.Client(base_url=stack.http_url, timeout=120) as client:
         yield client
 
 
@@ -125,7 +123,7 @@ def test_scheduler_restart_gives_clean_503_then_recovers_by_itself(stack, client
     assert error["type"] == "service_unavailable"
     assert int(response.headers["retry-after"]) > 0
     assert client.get("/health").status_code == 503
-    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+    with grpc.insecure_channel(stack.grpc_address) as channel:
         stub = text_generation_pb2_grpc.TextGenerationStub(channel)
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(text_generation_pb2.GenerateRequest(prompt="Hello"), timeout=10))
@@ -158,7 +156,7 @@ def test_overload_is_refused_with_retry_after_and_nothing_is_lost(stack, client)
             assert int(response.headers["retry-after"]) >= 1
         else:
             assert response.json()["usage"]["completion_tokens"] == 16
-    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+    with grpc.insecure_channel(stack.grpc_address) as channel:
         stub = text_generation_pb2_grpc.TextGenerationStub(channel)
         request = text_generation_pb2.GenerateRequest(
             prompt="Count", sampling=common_pb2.SamplingParams(max_tokens=16, ignore_eos=True)

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stack_testing import Stack, assert_openai_error
+from stack_testing import Stack, assert_openai_error, running
 
 pytestmark = pytest.mark.slow
 
@@ -98,15 +98,13 @@ requests = st.one_of(
 @pytest.fixture(scope="module")
 def stack(default_model_dir, tmp_path_factory):
     stack = Stack(default_model_dir, tmp_path_factory.mktemp("fuzz-logs"), num_workers=1, num_blocks=512)
-    try:
-        yield stack.start()
-    finally:
-        stack.stop()
+    with running(stack):
+        yield stack
 
 
 @pytest.fixture(scope="module")
 def client(stack):
-    with httpx.Client(base_url=stack.base_url, timeout=60) as client:
+    with httpx.Client(base_url=stack.http_url, timeout=60) as client:
         yield client
 
 

@@ -19,18 +19,6 @@ MODEL = "SmolLM2-135M-Instruct"
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    from pagedserve.model_files import resolve_model
-
-    return Tokenizer.from_model_dir(resolve_model("default"))
-
-
 def client(tokenizer: Tokenizer, **config) -> httpx.AsyncClient:
     app = create_app(GatewayConfig(**config), tokenizer, ModelInfo(MODEL, 64, (2,)), engine=None)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")

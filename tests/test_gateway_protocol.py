@@ -7,11 +7,9 @@ import json
 import pytest
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.gateway.config import GatewayConfig
 from pagedserve.gateway.generation import ChoiceDelta, GenerationCore, ModelInfo, Prompt
-from pagedserve.gateway.openai_api import GatewayState, _ChatFormatter, _CompletionFormatter
+from pagedserve.gateway.openai_format import ChatFormatter, CompletionFormatter
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from pagedserve.gateway.tokenization import Tokenizer
 from pagedserve.proto import common_pb2
 
 
@@ -167,13 +165,6 @@ def test_content_parts_are_joined_and_non_text_parts_refused():
 # ---- context length and max_tokens (the core, no engine needed) ----
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    from pagedserve.model_files import resolve_model
-
-    return Tokenizer.from_model_dir(resolve_model("default"))
-
-
 @pytest.fixture
 def core(tokenizer) -> GenerationCore:
     return GenerationCore(None, tokenizer, ModelInfo("m", max_model_len=100, eos_token_ids=(2,)))
@@ -203,11 +194,6 @@ def test_token_ids_outside_the_vocabulary_are_refused(core, tokenizer):
 # ---- both logprobs formats ----
 
 
-def _state(tokenizer) -> GatewayState:
-    model = ModelInfo("m", 100, (2,))
-    return GatewayState(GatewayConfig(), tokenizer, model, GenerationCore(None, tokenizer, model), None)
-
-
 def _entry(token_id: int, logprob: float, alternatives: list[tuple[int, float]]) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
         token_id=token_id,
@@ -224,9 +210,9 @@ def test_completions_logprobs_format_has_tokens_offsets_and_top_dicts(tokenizer)
     gen = GenerationCore(None, tokenizer, ModelInfo("m", 100, (2,))).build(
         [Prompt([1, 2, 3])], req.sampling_params(), request_id="cmpl-x"
     )
-    fmt = _CompletionFormatter(_state(tokenizer), req, gen)
+    fmt = CompletionFormatter(tokenizer, "m", req, gen)
     entries = [_entry(t, -0.5, [(t, -0.5)]) for t in ids]
-    lp = fmt._choice_part(ChoiceDelta(0, 0, " Paris is", ids, entries, "length"))[1]
+    lp = fmt.choice_part(ChoiceDelta(0, 0, " Paris is", ids, entries, "length"))[1]
     assert lp["tokens"] == [tokenizer.token_text(t) for t in ids]
     assert lp["token_logprobs"] == [-0.5] * len(ids)
     assert lp["top_logprobs"][0] == {tokenizer.token_text(ids[0]): -0.5}
@@ -239,10 +225,10 @@ def test_completions_echo_puts_the_prompt_and_its_logprobs_first(tokenizer):
     gen = GenerationCore(None, tokenizer, ModelInfo("m", 100, (2,))).build(
         [Prompt(prompt_ids, "Hello")], req.sampling_params(), request_id="cmpl-x"
     )
-    fmt = _CompletionFormatter(_state(tokenizer), req, gen)
+    fmt = CompletionFormatter(tokenizer, "m", req, gen)
     prompt_lps = [_entry(t, -1.0, []) for t in prompt_ids[1:]]
     delta = ChoiceDelta(0, 0, " world", [905], [_entry(905, -0.25, [])], "length", prompt_logprobs=prompt_lps)
-    text, lp = fmt._choice_part(delta)
+    text, lp = fmt.choice_part(delta)
     assert text == "Hello world"
     assert lp["token_logprobs"] == [None] + [-1.0] * (len(prompt_ids) - 1) + [-0.25]
     assert len(lp["tokens"]) == len(prompt_ids) + 1
@@ -254,9 +240,9 @@ def test_chat_logprobs_format_has_content_with_bytes_and_top_logprobs(tokenizer)
     gen = GenerationCore(None, tokenizer, ModelInfo("m", 100, (2,))).build(
         [Prompt([1, 2])], req.sampling_params(), request_id="chatcmpl-x"
     )
-    fmt = _ChatFormatter(_state(tokenizer), req, gen)
+    fmt = ChatFormatter(tokenizer, "m", req, gen)
     entries = [_entry(t, -0.1, [(t, -0.1), (17, -3.0)]) for t in ids]
-    content = fmt._logprobs(ChoiceDelta(0, 0, "😀", ids, entries))["content"]
+    content = fmt.choice_part(ChoiceDelta(0, 0, "😀", ids, entries))[1]["content"]
     assert [c["logprob"] for c in content] == pytest.approx([-0.1] * len(ids))
     assert b"".join(bytes(c["bytes"]) for c in content) == "😀".encode()
     assert all(

@@ -5,22 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.gateway.generation import GenerationCore, GenerationRequest, ModelInfo, Prompt, UsageInfo
-from pagedserve.gateway.tokenization import Tokenizer
 from pagedserve.proto import common_pb2, engine_pb2
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    from pagedserve.model_files import resolve_model
-
-    return Tokenizer.from_model_dir(resolve_model("default"))
 
 
 class ScriptedEngine:

@@ -21,13 +21,6 @@ MULTIBYTE_TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    from pagedserve.model_files import resolve_model
-
-    return Tokenizer.from_model_dir(resolve_model("default"))
-
-
 def detokenize(tokenizer: Tokenizer, prompt: list[int], output: list[int], skip: bool = True) -> list[str]:
     detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
     return [detok.add(t) for t in output] + [detok.flush()]

@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from stack_testing import Stack
+from stack_testing import Stack, running
 
 pytestmark = pytest.mark.slow
 
@@ -19,15 +19,13 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def stack(default_model_dir, tmp_path_factory):
     stack = Stack(default_model_dir, tmp_path_factory.mktemp("load-logs"), num_workers=2, num_blocks=1024)
-    try:
-        yield stack.start()
-    finally:
-        stack.stop()
+    with running(stack):
+        yield stack
 
 
 def _client(stack: Stack) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
-    return httpx.AsyncClient(base_url=stack.base_url, timeout=300, limits=limits)
+    return httpx.AsyncClient(base_url=stack.http_url, timeout=300, limits=limits)
 
 
 async def _count_tokens(client: httpx.AsyncClient, i: int) -> tuple[int, str | None, int]:

@@ -16,8 +16,15 @@ from transformers import (
 )
 
 from pagedserve.model_files import load_generation_info, load_tokenizer
+from pagedserve.worker_svc import loader
 from pagedserve.worker_svc.loader import load_model, parse_dtype
-from pagedserve.worker_svc.model import AttentionMetadata, CausalLM, ModelConfig
+from pagedserve.worker_svc.model import (
+    AttentionMetadata,
+    CausalLM,
+    ModelConfig,
+    PackedLinear,
+    can_pack_linears,
+)
 
 VOCAB = 256
 TINY = dict(
@@ -184,6 +191,37 @@ def test_loader_casts_to_the_requested_dtype(tmp_path):
     assert model.lm_head is None  # tied: the head is the embedding matrix
 
 
+needs_packing = pytest.mark.skipif(
+    not can_pack_linears(torch.bfloat16, torch.device("cpu")), reason="no native bf16 oneDNN on this CPU"
+)
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 3, 16, 65])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_linear_bit_for_bit(rows, bias):
+    linear = torch.nn.Linear(96, 200, bias=bias).bfloat16()
+    x = torch.randn(rows, 96).bfloat16()
+    assert torch.equal(PackedLinear(linear.weight, linear.bias)(x), linear(x))
+
+
+@needs_packing
+@pytest.mark.parametrize("family", ["qwen2_qkv_bias_tied", "mistral_untied"])
+def test_bf16_loader_packs_linears_without_changing_the_logits(tmp_path, monkeypatch, family):
+    _save_tiny_hf_model(FAMILIES[family](), tmp_path)
+    packed = load_model(tmp_path, torch.bfloat16, "cpu")
+    assert not any(type(m) is torch.nn.Linear for m in packed.modules())
+    monkeypatch.setattr(loader, "can_pack_linears", lambda *_: False)
+    plain = load_model(tmp_path, torch.bfloat16, "cpu")
+    tokens = [torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(3))]
+    logits = []
+    for model in (packed, plain):
+        cache = PagedCache(model, 1, block_size=4)
+        prefill = cache.run(model, tokens, [(0, 0, 11)])
+        logits.append(torch.cat([prefill, cache.run(model, tokens, [(0, 11, 12)])]))
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_loader_refuses_pickle_checkpoints(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(FAMILIES["mistral_untied"]().to_dict()))
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
@@ -240,11 +278,20 @@ def test_config_reads_transformers_4_rope_fields():
 
 
 def test_parse_dtype():
-    assert parse_dtype("auto", "cpu") == torch.float32
+    native_bf16 = loader.cpu_has_native_bf16()
+    assert parse_dtype("auto", "cpu") == (torch.bfloat16 if native_bf16 else torch.float32)
     assert parse_dtype("auto", "cuda") == torch.bfloat16
     assert parse_dtype("float16", "cpu") == torch.float16
     with pytest.raises(ValueError, match="unknown dtype"):
         parse_dtype("int8", "cpu")
+
+
+def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch):
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
+    assert parse_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
+    assert parse_dtype("auto", "cpu") == torch.float32
+    assert parse_dtype("auto", "cuda") == torch.bfloat16
 
 
 # --- the default model ------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ from collections import Counter
 
 import pytest
 import torch
+
 from pagedserve.proto import common_pb2
 from pagedserve.worker_svc.sampler import (
     Sampler,
@@ -346,6 +347,7 @@ def random_states(count: int, generator: torch.Generator) -> list[SlotSamplingSt
 def test_penalties_and_bias_change_logits_exactly_as_specified():
     generator = torch.Generator().manual_seed(0)
     states = random_states(12, generator)
+    states[0].logprobs = 0  # one row asking makes the sampler return logprobs for all
     logits = torch.randn(12, VOCAB, generator=generator) * 3
     meta = SamplingMetadata.build(states, VOCAB)
     got = apply_penalties(apply_logit_bias(logits, meta), meta)
@@ -424,9 +426,17 @@ def test_sampled_logprobs_ranks_and_top_k_match_raw_log_softmax():
 
 def test_greedy_token_has_rank_one():
     logits = torch.randn(5, VOCAB)
-    states = [SlotSamplingState(temperature=0.0) for _ in range(5)]
+    states = [SlotSamplingState(temperature=0.0, logprobs=0) for _ in range(5)]
     out = Sampler(VOCAB)(logits, SamplingMetadata.build(states, VOCAB))
     assert out.ranks.tolist() == [1] * 5 and out.top_ids.shape == (5, 0)
+
+
+def test_no_logprobs_are_computed_when_no_row_asks():
+    logits = torch.randn(3, VOCAB)
+    states = [SlotSamplingState(temperature=0.0) for _ in range(3)]
+    out = Sampler(VOCAB)(logits, SamplingMetadata.build(states, VOCAB))
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert out.logprobs.numel() == out.ranks.numel() == out.top_ids.numel() == 0
 
 
 def test_prompt_logprobs_match_log_softmax():

@@ -443,7 +443,7 @@ def test_failover_resumes_each_sequence_with_its_index_and_child_seed():
     # The engine's failover path (RequestStream.core_requests) on a fresh core: each unfinished
     # sequence carries on after what its client has seen and ends exactly as an uninterrupted run.
     from pagedserve.proto import engine_pb2
-    from pagedserve.scheduler_svc.engine import RequestStream
+    from pagedserve.scheduler_svc.request_stream import RequestStream
 
     prompt = _prompt(10)
     msg = engine_pb2.EngineGenerateRequest(

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from stack_testing import Stack, assert_openai_error
+from stack_testing import Stack, assert_openai_error, running
 
 from pagedserve.grpc_utils import TLSConfig, open_sync_channel
 from pagedserve.internal_tls import generate
@@ -37,14 +37,12 @@ def stack(default_model_dir, tmp_path_factory, certs):
         client_tls=TLSConfig(str(certs.cert), str(certs.key), str(certs.ca)),
         gateway_args=["--api-keys", f"{KEY_A},{KEY_B}", "--max-body-bytes", "100000"],
     )
-    try:
-        yield stack.start()
-    finally:
-        stack.stop()
+    with running(stack):
+        yield stack
 
 
 def _client(stack: Stack, key: str) -> httpx.Client:
-    return httpx.Client(base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {key}"})
+    return httpx.Client(base_url=stack.http_url, timeout=60, headers={"Authorization": f"Bearer {key}"})
 
 
 @pytest.mark.slow
@@ -70,7 +68,7 @@ def test_plaintext_and_certificateless_clients_are_refused_by_the_scheduler(stac
 @pytest.mark.slow
 def test_wrong_or_missing_key_is_401(stack):
     for headers in ({"Authorization": "Bearer nope"}, {}, {"Authorization": f"Basic {KEY_A}"}):
-        response = httpx.post(f"{stack.base_url}/v1/completions", json={"prompt": "x"}, headers=headers)
+        response = httpx.post(f"{stack.http_url}/v1/completions", json={"prompt": "x"}, headers=headers)
         assert assert_openai_error(response, 401)["code"] == "invalid_api_key"
 
 

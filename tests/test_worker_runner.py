@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedserve.proto import worker_pb2
-from pagedserve.worker_svc.runner import PlanError
 from worker_testing import (
     TINY_VOCAB,
     hf_greedy,
@@ -16,6 +14,9 @@ from worker_testing import (
     save_tiny_llama,
     snapshot,
 )
+
+from pagedserve.proto import worker_pb2
+from pagedserve.worker_svc.runner import PlanError
 
 NUM_BLOCKS = 32
 BLOCK_SIZE = 4
@@ -59,11 +60,20 @@ def test_first_plan_samples_each_prompt_once(runner):
     assert list(result.sampled_slots) == [0, 1]
     assert len(result.sampled_token_ids) == 2 and all(0 <= t < TINY_VOCAB for t in result.sampled_token_ids)
     assert list(result.num_top_logprobs) == [0, 0]
-    assert all(lp <= 0.0 for lp in result.sampled_logprobs)
-    assert list(result.sampled_ranks) == [1, 1]  # greedy picks the most likely token
+    # No request asked for logprobs: the sampler skips them and the arrays stay empty.
+    assert list(result.sampled_logprobs) == [] and list(result.sampled_ranks) == []
     assert result.timings.num_tokens == len(PROMPT_A) + len(PROMPT_B)
     assert runner.tokens(0) == [*PROMPT_A, result.sampled_token_ids[0]]
     assert runner.slots[0].num_computed_tokens == len(PROMPT_A)
+
+
+def test_sampled_logprobs_and_ranks_come_back_when_one_slot_asks(runner):
+    plan_ = first_plan()
+    plan_.new_requests[1].sampling.logprobs = 0
+    result = runner.execute(plan_)
+    assert list(result.num_top_logprobs) == [0, 0]
+    assert len(result.sampled_logprobs) == 2 and all(lp <= 0.0 for lp in result.sampled_logprobs)
+    assert list(result.sampled_ranks) == [1, 1]  # greedy picks the most likely token
 
 
 def test_greedy_tokens_match_transformers_across_chunked_prefill_and_decode(runner, hf_model):

@@ -214,6 +214,11 @@ def test_worker_registers_when_the_scheduler_appears_and_again_after_it_restarts
             await engine.stop(grace=None)
             engine, second = await start_recording_engine(port)
             await asyncio.wait_for(second.arrived.wait(), timeout=15)
+            # The worker counts a registration once the answer is back, just after the engine saw it.
+            for _ in range(100):
+                if worker.registrar.registrations == 2:
+                    break
+                await asyncio.sleep(0.05)
             await engine.stop(grace=None)
             return first.requests, second.requests, worker.registrar.registrations
         finally:
@@ -248,6 +253,25 @@ def test_config_flags_win_over_environment_which_wins_over_defaults():
     assert config.num_blocks is None and config.device == "auto" and config.host == "0.0.0.0"
     assert config.advertised(7002).endswith(":7002")
     assert WorkerConfig.from_args(["--advertise-address", "w:1"], env={}).advertised(5) == "w:1"
+
+
+def test_threads_flag_defaults_to_torchs_choice_and_must_be_positive():
+    assert WorkerConfig.from_args([], env={}).threads is None
+    assert WorkerConfig.from_args([], env={"PAGEDSERVE_THREADS": "2"}).threads == 2
+    assert WorkerConfig.from_args(["--threads", "1"], env={"PAGEDSERVE_THREADS": "2"}).threads == 1
+    with pytest.raises(ValueError, match="threads must be positive"):
+        WorkerConfig.from_args(["--threads", "0"], env={})
+
+
+def test_launcher_passes_threads_to_every_worker_only_when_given():
+    from pagedserve.launcher import LaunchConfig, _child_args, build_parser
+
+    def worker_args(*argv):
+        config = LaunchConfig(**vars(build_parser().parse_args(["--workers", "2", *argv])))
+        return _child_args(config, "/m", "127.0.0.1:1", 1)[1]
+
+    assert all(args[args.index("--threads") + 1] == "1" for args in worker_args("--threads", "1"))
+    assert all("--threads" not in args for args in worker_args())
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -9,8 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from pagedserve.worker_svc.model import CausalLM, ModelConfig
 from safetensors import safe_open
+
+from pagedserve.worker_svc.model import CausalLM, ModelConfig, can_pack_linears
 
 log = logging.getLogger(__name__)
 
@@ -30,20 +32,34 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def parse_dtype(name: str, device: torch.device | str) -> torch.dtype:
     if name == "auto":
-        # bfloat16 on CUDA; float32 on CPU. Measured on the 2-core development CPU (AMD EPYC with
-        # avx512_bf16, torch 2.13, 2 threads), default model SmolLM2-135M, forward + compute_logits
-        # through the paged cache, min (median) of 7 runs:
-        #   prefill, 2 sequences x 128 tokens:   float32 471 (575) ms   bfloat16 269 (307) ms
-        #   decode, 8 sequences x 64 context:    float32  79  (93) ms   bfloat16  42  (49) ms
-        # bfloat16 is ~1.8x faster here, but it does not stay accurate: logits differ from float32 by up
-        # to 1.2, the argmax differs at 3% of the positions of the chat prompt, and greedy output leaves
-        # transformers' own (float32) output within 10 tokens on one of two test prompts. It is also only
-        # fast on CPUs with native bf16 (avx512_bf16 / AMX); elsewhere it is emulated and slower. So "auto"
-        # keeps float32 on CPU; --dtype bfloat16 opts into the speed.
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        # bfloat16 on CUDA, and on CPUs with native bf16 matmuls (avx512_bf16 / AMX); float32 on other
+        # CPUs, where bf16 is emulated and slower. Measured on the 2-core development CPU (AMD EPYC with
+        # avx512_bf16, torch 2.13, 2 threads), default model SmolLM2-135M, ModelRunner.execute through the
+        # paged cache, min of 3 back to back (load average ~1.8):
+        #   prefill, 2 sequences x 256 tokens:  float32 738 ms   bfloat16 407 ms  (1.8x)
+        #   decode, 1 sequence, 256 context:    float32  60 ms   bfloat16  34 ms  (1.8x; half the bytes)
+        #   (earlier: prefill 2 x 128 471 / 269 ms, decode 8 x 64 79 / 42 ms)
+        # The price is accuracy: logits differ from float32 by up to 1.2, the argmax differs at 3% of the
+        # positions of the chat prompt, and greedy output leaves transformers' float32 output within 10
+        # tokens on one of two test prompts. Like vLLM's CPU backend, "auto" takes the speed; everything
+        # that compares with transformers (tests, parity checks) passes --dtype float32 explicitly.
+        device = torch.device(device)
+        if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
+            return torch.bfloat16
+        return torch.float32
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; expected one of: auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (the avx512_bf16 or amx_bf16 flag, Linux only)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
 
 
 def load_model(model_dir: Path | str, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
@@ -89,6 +105,8 @@ def load_model(model_dir: Path | str, dtype: torch.dtype, device: torch.device |
         names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
         raise ValueError(f"{model_dir}: weights missing from the checkpoint: {', '.join(names[:10])}")
     model.eval()
+    if can_pack_linears(dtype, torch.device(device)):
+        model.pack_linears()
     log.info(
         "loaded %s (%s, %d layers) as %s on %s in %.2f s",
         model_dir.name,

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from pagedserve.errors import InvalidRequestError
 from pagedserve.kernels import get_ops
 from pagedserve.proto import common_pb2, worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCache
 from pagedserve.worker_svc.model import AttentionMetadata, CausalLM
 from pagedserve.worker_svc.sampler import Sampler, SamplingMetadata, SlotSamplingState, compute_logprobs
-
-from pagedserve.errors import InvalidRequestError
 
 # Slots are small integers picked by the scheduler; this bounds the per-slot arrays.
 MAX_SLOTS = 1 << 16
@@ -363,6 +363,7 @@ class ModelRunner:
             state.sampling.append_output(token)
         result.sampled_slots.extend(slots)
         result.sampled_token_ids.extend(token_ids)
+        # NOTE: left empty when no slot of the step asked for logprobs (the scheduler reads them only then).
         result.sampled_logprobs.extend(out.logprobs.tolist())
         result.sampled_ranks.extend(out.ranks.tolist())
         if meta.max_num_logprobs:

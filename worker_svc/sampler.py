@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
 from pagedserve.proto import common_pb2
 
 # Temperatures below this are greedy (as vLLM's _SAMPLING_EPS).
@@ -130,6 +131,7 @@ class SamplingMetadata:
     seeds: list[int]  # their seeds, parallel to seeded_rows
     output_positions: list[int]  # their output position k (tokens generated before this one)
     max_num_logprobs: int  # K: top alternatives returned per row (rows asking fewer use a prefix)
+    any_logprobs: bool = True  # some row asked for logprobs (0 included); else none are computed
 
     @property
     def all_greedy(self) -> bool:
@@ -233,6 +235,7 @@ class SamplingMetadata:
             seeds=[states[i].seed for i in seeded_rows],
             output_positions=[len(states[i].output_token_ids) for i in seeded_rows],
             max_num_logprobs=max((s.logprobs or 0 for s in states), default=0),
+            any_logprobs=any(s.logprobs is not None for s in states),
         )
 
 
@@ -272,6 +275,7 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # int64 [B], the sampled tokens
+    # The rest is empty ([0], [0, 0]) when no row asked for logprobs (meta.any_logprobs is False).
     logprobs: torch.Tensor  # float32 [B], raw log_softmax (before bias, penalties, temperature) at token
     ranks: torch.Tensor  # int64 [B], 1-based rank of the token in the raw logits
     top_ids: torch.Tensor  # int64 [B, K], K = max requested logprobs; rows asking fewer use a prefix
@@ -300,6 +304,11 @@ class Sampler:
             token_ids = self._sample(x, meta)
             if meta.greedy is not None:
                 token_ids = torch.where(meta.greedy, x.argmax(dim=-1), token_ids)
+        if not meta.any_logprobs:
+            # NOTE: the log_softmax, rank and top-K passes over [B, vocab] cost as much as the sampling
+            # itself (B=64, 49k vocab: ~8 ms against ~2.5 ms for the argmax), for results nobody reads.
+            empty = logits.new_empty((0,))
+            return SamplerOutput(token_ids, empty, empty.long(), empty.long().view(0, 0), empty.view(0, 0))
         lp = compute_logprobs(logits, token_ids, meta.max_num_logprobs)
         return SamplerOutput(token_ids, lp.logprobs, lp.ranks, lp.top_ids, lp.top_logprobs)
 

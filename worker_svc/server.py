@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -32,10 +31,10 @@ from pagedserve.grpc_utils import (
     open_channel,
     set_serving,
 )
-from pagedserve.logging import configure_logging, get_logger
+from pagedserve.logging import get_logger
 from pagedserve.model_files import load_generation_info, model_name, resolve_model
 from pagedserve.proto import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
-from pagedserve.tracing import setup_tracing
+from pagedserve.service_main import run_service, stop_on_signals
 from pagedserve.worker_svc.config import WorkerConfig
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
 from pagedserve.worker_svc.loader import load_model, parse_dtype
@@ -96,6 +95,7 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         block_size=config.block_size,
         kv_cache_bytes=kv_cache.num_bytes,
         max_model_len=max_model_len,
+        threads=torch.get_num_threads(),
     )
     return LoadedWorker(runner, info)
 
@@ -299,14 +299,13 @@ def _info_fields(info: worker_pb2.ModelInfo) -> dict:
 
 
 async def serve(config: WorkerConfig) -> None:
+    if config.threads is not None:
+        # NOTE: before any forward pass: torch's worker threads take the count when they first run.
+        torch.set_num_threads(config.threads)
     loaded = await asyncio.to_thread(load_worker, config)
     server = WorkerServer(config, loaded)
     await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     await stop.wait()
     log.info("stopping")
     await server.stop(grace=5.0)
@@ -314,14 +313,13 @@ async def serve(config: WorkerConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = WorkerConfig.from_args(argv)
-    configure_logging("worker", config.log_level, json=config.log_json)
-    setup_tracing("pagedserve-worker")
-    try:
-        asyncio.run(serve(config))
-    except (FileNotFoundError, ValueError, PagedServeError) as error:
-        log.error("worker_failed", error=str(error))
-        return 1
-    return 0
+    return run_service(
+        "worker",
+        config.log_level,
+        config.log_json,
+        lambda: serve(config),
+        (FileNotFoundError, ValueError, PagedServeError),
+    )
 
 
 if __name__ == "__main__":
