@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import os
 import shutil
 import signal
@@ -281,9 +280,7 @@ def serve(config: LaunchConfig) -> int:
     model_dir = str(resolve_model(config.model))
     scheduler_port = config.scheduler_port or free_port()
     engine_address = f"{LOOPBACK}:{scheduler_port}"
-    with_gateway = config.gateway and importlib.util.find_spec("pagedserve.gateway.server") is not None
-    if config.gateway and not with_gateway:
-        log.warning("the gateway is not available in this version; serving the Engine service only")
+    with_gateway = config.gateway
     from pagedserve.grpc_utils import PLAINTEXT, TLSConfig
 
     certs, tls, tls_dir = None, PLAINTEXT, None
