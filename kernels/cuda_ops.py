@@ -262,6 +262,19 @@ def _check_shape(head_size: int, block_size: int) -> None:
         raise NotImplementedError(f"CUDA kernels support block sizes {BLOCK_SIZES}, not {block_size}")
 
 
+def _check_cache(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[str, int, int]:
+    """What the attention kernels need of a query and its paged K/V cache: the dtype tag, block size and
+    KV head count, after checking the shapes are ones the kernels were built for."""
+    num_q_heads, head_size = query.shape[1:]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_size
+    assert num_q_heads % num_kv_heads == 0
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    tag = _tag(k_cache.dtype)
+    _check_shape(head_size, block_size)
+    return tag, block_size, num_kv_heads
+
+
 def _ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
@@ -427,12 +440,7 @@ def paged_decode_attention_splits(
     """paged_decode_attention with an explicit split-K count (None: the heuristic). Tests and the benchmark
     force both paths through this."""
     batch, num_q_heads, head_size = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_size
-    assert num_q_heads % num_kv_heads == 0
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    tag = _tag(k_cache.dtype)
-    _check_shape(head_size, block_size)
+    tag, block_size, num_kv_heads = _check_cache(query, k_cache, v_cache)
     device = k_cache.device
     if batch == 0:
         return torch.empty_like(query)
@@ -517,12 +525,7 @@ def paged_prefill_attention(
     scale: float,
 ) -> torch.Tensor:
     num_tokens, num_q_heads, head_size = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_size
-    assert num_q_heads % num_kv_heads == 0
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    tag = _tag(k_cache.dtype)
-    _check_shape(head_size, block_size)
+    tag, block_size, num_kv_heads = _check_cache(query, k_cache, v_cache)
     device = k_cache.device
     out_dtype = query.dtype
     query = _aligned(query.to(k_cache.dtype))
