@@ -23,7 +23,7 @@ from pagedserve.logging import get_logger
 from pagedserve.proto import common_pb2, engine_pb2
 
 from .engine_client import EngineClient
-from .tokenization import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from .tokenization import IncrementalDetokenizer, SequenceText, StopStringMatcher, Tokenizer
 
 log = get_logger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -96,12 +96,11 @@ class UsageInfo:
 class _Choice:
     """One sequence's text state: detokenizer, stop strings, counts."""
 
-    __slots__ = ("detok", "done", "engine_done", "index", "num_tokens", "sent_prompt_logprobs", "stopper")
+    __slots__ = ("done", "engine_done", "index", "num_tokens", "sent_prompt_logprobs", "text")
 
-    def __init__(self, index: int, detok: IncrementalDetokenizer, stopper: StopStringMatcher):
+    def __init__(self, index: int, text: SequenceText):
         self.index = index
-        self.detok = detok
-        self.stopper = stopper
+        self.text = text
         self.num_tokens = 0
         self.done = False  # finished for the client
         self.engine_done = False  # finished at the engine
@@ -270,16 +269,19 @@ class GenerationCore:
             cache_salt=req.cache_salt,
             priority=req.priority,
         )
+        stop_ids = frozenset(sp.stop_token_ids) | frozenset(self.model.eos_token_ids)
         skip_special = sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True
         choices = [
             _Choice(
                 prompt_index * n + j,
-                IncrementalDetokenizer(self.tokenizer, prompt.token_ids, skip_special),
-                StopStringMatcher(sp.stop, sp.include_stop_str_in_output),
+                SequenceText(
+                    IncrementalDetokenizer(self.tokenizer, prompt.token_ids, skip_special),
+                    StopStringMatcher(sp.stop, sp.include_stop_str_in_output),
+                    stop_ids,
+                ),
             )
             for j in range(n)
         ]
-        stop_ids = set(sp.stop_token_ids) | set(self.model.eos_token_ids)
         prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
         cached_tokens, usage_seen = 0, False
         stream = self.engine.generate(request, ctx)
@@ -294,7 +296,7 @@ class GenerationCore:
                 choice = choices[msg.index]
                 choice.engine_done = msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                 if not choice.done:
-                    delta = self._consume(choice, msg, sp, stop_ids)
+                    delta = self._consume(choice, msg, sp)
                     if not choice.sent_prompt_logprobs and prompt_logprobs is not None:
                         delta.prompt_logprobs = prompt_logprobs
                         choice.sent_prompt_logprobs = True
@@ -309,7 +311,9 @@ class GenerationCore:
             for choice in choices:  # the stream ended without finishing them: the engine gave up
                 if not choice.done:
                     choice.done = True
-                    yield ChoiceDelta(choice.index, prompt_index, choice.stopper.flush(), [], [], "abort")
+                    yield ChoiceDelta(
+                        choice.index, prompt_index, choice.text.stopper.flush(), [], [], "abort"
+                    )
             if not all(c.engine_done for c in choices):
                 # Every sequence hit a stop string: free the engine's blocks now, then give its last
                 # message (with the cached-token count) a moment to arrive.
@@ -325,47 +329,25 @@ class GenerationCore:
         yield UsageInfo(len(prompt.token_ids), sum(c.num_tokens for c in choices), cached_tokens)
 
     def _consume(
-        self, choice: _Choice, msg: engine_pb2.EngineGenerateResponse, sp: common_pb2.SamplingParams, stop_ids
+        self, choice: _Choice, msg: engine_pb2.EngineGenerateResponse, sp: common_pb2.SamplingParams
     ) -> ChoiceDelta:
         finish = FINISH_REASONS.get(msg.finish_reason)
         token_ids = list(msg.token_ids)
-        # NOTE: like vLLM, the text of the token that stopped the sequence (EOS, a stop token id) is not
-        # shown unless include_stop_str_in_output; the token itself is counted and returned.
-        hide_last = (
-            finish == "stop"
-            and bool(token_ids)
-            and token_ids[-1] in stop_ids
-            and not sp.include_stop_str_in_output
-        )
-        pieces: list[str] = []
-        stop_reason: str | int | None = None
-        used = 0
-        for k, token_id in enumerate(token_ids):
-            used = k + 1
-            if hide_last and k == len(token_ids) - 1:
-                break
-            text, matched = choice.stopper.add(choice.detok.add(token_id))
-            pieces.append(text)
-            if matched is not None:
-                finish, stop_reason = "stop", matched
-                break
+        # The token that stopped the sequence is counted and returned even when its text is hidden.
+        text, used, matched = choice.text.add(token_ids, finish)
         choice.num_tokens += used
-        if finish is not None and stop_reason is None:
-            text, matched = choice.stopper.add(choice.detok.flush())
-            pieces.append(text)
-            if matched is not None:
-                finish, stop_reason = "stop", matched
-            else:
-                pieces.append(choice.stopper.flush())
-                if msg.HasField("stop_token_id") and msg.stop_token_id in sp.stop_token_ids:
-                    stop_reason = msg.stop_token_id
+        stop_reason: str | int | None = None
+        if matched is not None:
+            finish, stop_reason = "stop", matched
+        elif finish is not None and msg.HasField("stop_token_id") and msg.stop_token_id in sp.stop_token_ids:
+            stop_reason = msg.stop_token_id
         if finish is not None:
             choice.done = True
         logprobs = list(msg.logprobs[:used]) if msg.logprobs else []
         return ChoiceDelta(
             choice.index,
             choice.index // (sp.n or 1),
-            "".join(pieces),
+            text,
             token_ids[:used],
             logprobs,
             finish,

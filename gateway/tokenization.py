@@ -5,7 +5,7 @@ The scheduler and workers only see token ids; everything that touches text lives
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -223,3 +223,52 @@ class StopStringMatcher:
         """Release the held-back text: the sequence ended without a stop string."""
         held, self._held = self._held, ""
         return held
+
+
+class SequenceText:
+    """The text of one generated sequence: incremental detokenization, then stop strings.
+
+    One place for the rules the gateway and the offline LLM share: like vLLM, the text of the token
+    that ended the sequence (EOS, a stop token id) is not shown unless include_stop_str_in_output;
+    text that could begin a stop string is held back until it cannot, or until the sequence ends.
+    """
+
+    __slots__ = ("detok", "stop_token_ids", "stopper")
+
+    def __init__(
+        self, detok: IncrementalDetokenizer, stopper: StopStringMatcher, stop_token_ids: Collection[int]
+    ):
+        self.detok = detok
+        self.stopper = stopper
+        self.stop_token_ids = stop_token_ids  # tokens that end the sequence (EOS, stop token ids)
+
+    def add(self, token_ids: Sequence[int], finish: str | None) -> tuple[str, int, str | None]:
+        """Text released by new tokens: (text, how many of the tokens it used, matched stop string).
+
+        finish: the engine's finish reason when the sequence ends with these tokens ("stop", "length",
+        ...), else None; at the end, held-back text is released. Tokens after a matched stop string are
+        not used: the sequence ends at the match.
+        """
+        hide_last = (
+            finish == "stop"
+            and bool(token_ids)
+            and token_ids[-1] in self.stop_token_ids
+            and not self.stopper.include_stop_str_in_output
+        )
+        pieces: list[str] = []
+        used = 0
+        for k, token_id in enumerate(token_ids):
+            used = k + 1
+            if hide_last and k == len(token_ids) - 1:
+                break
+            text, matched = self.stopper.add(self.detok.add(token_id))
+            pieces.append(text)
+            if matched is not None:
+                return "".join(pieces), used, matched
+        if finish is not None:
+            text, matched = self.stopper.add(self.detok.flush())
+            pieces.append(text)
+            if matched is not None:
+                return "".join(pieces), used, matched
+            pieces.append(self.stopper.flush())
+        return "".join(pieces), used, None

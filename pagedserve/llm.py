@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.gateway.tokenization import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from pagedserve.gateway.tokenization import IncrementalDetokenizer, SequenceText, StopStringMatcher, Tokenizer
 from pagedserve.model_files import load_generation_info, model_name, resolve_model
 from pagedserve.proto import common_pb2
 from pagedserve.sampling_params import SamplingParams
@@ -109,8 +109,7 @@ class RequestOutput:
 class _Sequence:
     """Text state of one of a request's sequences."""
 
-    detok: IncrementalDetokenizer
-    stopper: StopStringMatcher
+    text: SequenceText
     output: CompletionOutput
     pieces: list[str] = field(default_factory=list)
     done: bool = False  # finished by the scheduler, or by a stop string here
@@ -122,7 +121,6 @@ class _Tracked:
 
     position: int  # index in the caller's list
     params: SamplingParams
-    stop_ids: frozenset[int]  # EOS and stop token ids: their text is hidden
     sequences: list[_Sequence]
     result: RequestOutput
 
@@ -299,10 +297,15 @@ class LLM:
         )
         arrival = time.perf_counter()
         self.scheduler.add_request(req)
+        # EOS and stop token ids end a sequence; their text is hidden.
+        stop_ids = frozenset(sp.stop_token_ids or ()) | (frozenset() if sp.ignore_eos else self.eos_token_ids)
         sequences = [
             _Sequence(
-                IncrementalDetokenizer(self.tokenizer, token_ids, sp.skip_special_tokens),
-                StopStringMatcher(sp.stop or (), sp.include_stop_str_in_output),
+                SequenceText(
+                    IncrementalDetokenizer(self.tokenizer, token_ids, sp.skip_special_tokens),
+                    StopStringMatcher(sp.stop or (), sp.include_stop_str_in_output),
+                    stop_ids,
+                ),
                 CompletionOutput(
                     index=i, text="", token_ids=[], logprobs=[] if sp.logprobs is not None else None
                 ),
@@ -316,8 +319,7 @@ class LLM:
             outputs=[s.output for s in sequences],
             metrics=RequestMetrics(arrival_time=arrival),
         )
-        stop_ids = frozenset(sp.stop_token_ids or ()) | (frozenset() if sp.ignore_eos else self.eos_token_ids)
-        return _Tracked(position, sp, stop_ids, sequences, result)
+        return _Tracked(position, sp, sequences, result)
 
     def _loop(self, tracked: dict[str, _Tracked], bar: Any) -> None:
         scheduler, builder, runner = self.scheduler, self.plan_builder, self.runner
@@ -359,26 +361,18 @@ class LLM:
         out = seq.output
         finish = _FINISH_NAMES.get(ro.finish_reason)
         sp = t.params
-        for k, token_id in enumerate(ro.new_token_ids):
-            out.token_ids.append(token_id)
-            if ro.logprobs is not None and out.logprobs is not None:
-                self._add_logprobs(out, ro.logprobs[k])
-            last = k == len(ro.new_token_ids) - 1
-            if last and finish == "stop" and token_id in t.stop_ids and not sp.include_stop_str_in_output:
-                break
-            text, matched = seq.stopper.add(seq.detok.add(token_id))
-            seq.pieces.append(text)
-            if matched is not None:
-                self._finish(seq, "stop", matched)
-                return
-        if finish is None:
-            return
-        text, matched = seq.stopper.add(seq.detok.flush())
+        token_ids = ro.new_token_ids
+        text, used, matched = seq.text.add(token_ids, finish)
         seq.pieces.append(text)
+        out.token_ids.extend(token_ids[:used])
+        if ro.logprobs is not None and out.logprobs is not None:
+            for lp in ro.logprobs[:used]:
+                self._add_logprobs(out, lp)
         if matched is not None:
             self._finish(seq, "stop", matched)
             return
-        seq.pieces.append(seq.stopper.flush())
+        if finish is None:
+            return
         stop_reason = ro.stop_token_id if ro.stop_token_id in (sp.stop_token_ids or ()) else None
         self._finish(seq, finish, stop_reason)
 

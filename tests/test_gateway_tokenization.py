@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.gateway.tokenization import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from pagedserve.gateway.tokenization import IncrementalDetokenizer, SequenceText, StopStringMatcher, Tokenizer
 
 MULTIBYTE_TEXTS = [
     "héllo wörld, ça va? naïve café",
@@ -165,3 +165,38 @@ def test_stop_string_spanning_several_tokens_is_cut_from_detokenized_text(tokeni
             break
     assert matched == " Paris."
     assert "".join(streamed) == "The capital of France is"
+
+
+def _sequence_text(tokenizer, stop=(), include=False, stop_ids=()):
+    return SequenceText(
+        IncrementalDetokenizer(tokenizer, tokenizer.encode("Q:", add_special_tokens=False)),
+        StopStringMatcher(stop, include),
+        frozenset(stop_ids),
+    )
+
+
+def test_sequence_text_hides_the_token_that_ended_the_sequence_but_counts_it(tokenizer):
+    ids = tokenizer.encode(" Paris is nice", add_special_tokens=False)
+    eos = ids[-1]  # stands in for an end-of-sequence token
+    text, used, matched = _sequence_text(tokenizer, stop_ids={eos}).add(ids, "stop")
+    assert (text, used, matched) == (tokenizer.decode(ids[:-1]), len(ids), None)
+    shown, _, _ = _sequence_text(tokenizer, include=True, stop_ids={eos}).add(ids, "stop")
+    assert shown == tokenizer.decode(ids)
+    # A length finish on the same token shows it: only a stop token's text is hidden.
+    assert _sequence_text(tokenizer, stop_ids={eos}).add(ids, "length")[0] == tokenizer.decode(ids)
+
+
+def test_sequence_text_ends_at_a_stop_string_and_uses_no_later_token(tokenizer):
+    ids = tokenizer.encode(" one two three four", add_special_tokens=False)
+    seq = _sequence_text(tokenizer, stop=[" three"])
+    text, used, matched = seq.add(ids, None)
+    assert matched == " three" and text == " one two"
+    assert used == len(tokenizer.encode(" one two three", add_special_tokens=False))
+
+
+def test_sequence_text_holds_back_a_possible_stop_string_until_the_end(tokenizer):
+    ids = tokenizer.encode(" one two", add_special_tokens=False)
+    seq = _sequence_text(tokenizer, stop=[" two three"])
+    held, used, matched = seq.add(ids, None)
+    assert (held, used, matched) == (" one", len(ids), None)
+    assert seq.add([], "length") == (" two", 0, None)
