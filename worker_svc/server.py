@@ -187,7 +187,7 @@ class Registrar:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
                 await self._register(engine)
-                await self._watch(health)
+                await _first_of(self._watch(health), _connection_lost(channel))
                 self.registered.clear()
                 log.warning("scheduler_lost", scheduler=self.scheduler)
 
@@ -229,6 +229,30 @@ class Registrar:
             except grpc.RpcError as error:
                 if error.code() != grpc.StatusCode.UNIMPLEMENTED:
                     return
+
+
+async def _connection_lost(channel: grpc.aio.Channel) -> None:
+    """Returns when the channel's connection leaves READY (the scheduler went away).
+
+    NOTE: the health Watch stream alone is not enough: a scheduler stopped without grace does not
+    always end the stream promptly, while the closed connection always shows in the channel's state.
+    """
+    state = channel.get_state(try_to_connect=True)
+    while state != grpc.ChannelConnectivity.READY:
+        await channel.wait_for_state_change(state)
+        state = channel.get_state(try_to_connect=True)
+    await channel.wait_for_state_change(state)
+
+
+async def _first_of(*coroutines) -> None:
+    """Run the coroutines until the first one returns, then cancel the others."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class WorkerServer:
