@@ -198,7 +198,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_worker_registers_when_the_scheduler_appears_and_again_after_it_restarts(model_dir):
+RESTARTS = 5
+
+
+def test_worker_registers_when_the_scheduler_appears_and_again_after_each_restart(model_dir):
     port = free_port()
 
     async def scenario():
@@ -206,27 +209,28 @@ def test_worker_registers_when_the_scheduler_appears_and_again_after_it_restarts
         worker = await start_worker(
             model_dir, scheduler=f"127.0.0.1:{port}", advertise_address="worker-a:7001"
         )
+        recorded = []
         try:
             await asyncio.sleep(0.3)
-            engine, first = await start_recording_engine(port)
-            await asyncio.wait_for(first.arrived.wait(), timeout=15)
-            # The scheduler restarts (a new process on the same address, with no memory of us).
-            await engine.stop(grace=None)
-            engine, second = await start_recording_engine(port)
-            await asyncio.wait_for(second.arrived.wait(), timeout=15)
-            # The worker counts a registration once the answer is back, just after the engine saw it.
-            for _ in range(100):
-                if worker.registrar.registrations == 2:
+            for restart in range(1 + RESTARTS):
+                engine, servicer = await start_recording_engine(port)
+                recorded.append(servicer)
+                await asyncio.wait_for(servicer.arrived.wait(), timeout=15)
+                if restart == RESTARTS:
                     break
-                await asyncio.sleep(0.05)
+                # The scheduler restarts at once (a new process on the same address, with no memory of
+                # us): often before the worker has even read the answer to its registration.
+                await engine.stop(grace=None)
+            # The worker counts itself registered once the answer is back, just after the engine saw it.
+            await asyncio.wait_for(worker.registrar.registered.wait(), timeout=5)
             await engine.stop(grace=None)
-            return first.requests, second.requests, worker.registrar.registrations
+            return [s.requests for s in recorded]
         finally:
             await worker.stop(grace=None)
 
-    first, second, registrations = asyncio.run(scenario())
-    assert len(first) == 1 and len(second) == 1 and registrations == 2
-    request = first[0]
+    requests = asyncio.run(scenario())
+    assert [len(r) for r in requests] == [1] * (1 + RESTARTS)
+    request = requests[0][0]
     assert (request.worker_id, request.address, request.model) == (
         "worker-test",
         "worker-a:7001",
@@ -239,7 +243,7 @@ def test_worker_registers_when_the_scheduler_appears_and_again_after_it_restarts
         "cpu",
     )
     assert request.max_model_len == 256
-    assert second[0] == request
+    assert all(r == [request] for r in requests)
 
 
 # ---- configuration ------------------------------------------------------------------------------

@@ -187,7 +187,10 @@ class Registrar:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
                 await self._register(engine)
-                await _first_of(self._watch(health), _connection_lost(channel))
+                # NOTE: read the state now, before any await: the scheduler may go away (and a new one
+                # come up on the same address) before the watchers below start.
+                registered_over = channel.get_state(try_to_connect=False)
+                await _first_of(self._watch(health), _connection_lost(channel, registered_over))
                 self.registered.clear()
                 log.warning("scheduler_lost", scheduler=self.scheduler)
 
@@ -231,17 +234,18 @@ class Registrar:
                     return
 
 
-async def _connection_lost(channel: grpc.aio.Channel) -> None:
-    """Returns when the channel's connection leaves READY (the scheduler went away).
+async def _connection_lost(channel: grpc.aio.Channel, registered_over: grpc.ChannelConnectivity) -> None:
+    """Returns when the connection the registration went over is gone (the scheduler went away).
+
+    registered_over is the channel's state read right after the registration's answer: READY while
+    that connection stands. Anything else means it already dropped, and a later READY would be a new
+    connection, perhaps to a new scheduler that has never heard of us.
 
     NOTE: the health Watch stream alone is not enough: a scheduler stopped without grace does not
     always end the stream promptly, while the closed connection always shows in the channel's state.
     """
-    state = channel.get_state(try_to_connect=True)
-    while state != grpc.ChannelConnectivity.READY:
-        await channel.wait_for_state_change(state)
-        state = channel.get_state(try_to_connect=True)
-    await channel.wait_for_state_change(state)
+    if registered_over == grpc.ChannelConnectivity.READY:
+        await channel.wait_for_state_change(registered_over)
 
 
 async def _first_of(*coroutines) -> None:
