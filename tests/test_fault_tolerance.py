@@ -102,8 +102,21 @@ def test_worker_killed_mid_stream_every_stream_completes_with_fault_free_text(st
     stack.wait_idle()
 
 
+def _dead_worker(stack: Stack) -> str:
+    """A worker whose process is gone: the one the test before killed, or one killed now."""
+    dead = [wid for wid, process in stack.workers.items() if process.poll() is not None]
+    if dead:
+        return dead[0]
+    victim = next(iter(stack.workers))
+    os.killpg(stack.workers[victim].pid, signal.SIGKILL)
+    stack.workers[victim].wait()
+    while victim in stack.healthy_workers():
+        time.sleep(0.005)
+    return victim
+
+
 def test_restarted_worker_registers_again_and_takes_new_work(stack, client, reference):
-    dead = next(wid for wid, p in stack.workers.items() if p.poll() is not None)
+    dead = _dead_worker(stack)
     stack.start_worker(dead)
     stack.wait_workers(2, timeout=120, including=dead)
     before = {w.worker_id: w.num_steps for w in stack.engine_stats().workers}
