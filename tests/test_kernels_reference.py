@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pagedserve.kernels
-from pagedserve.kernels import _load_cuda_ops, get_ops, reference
+from pagedserve.kernels import CPU_KERNELS_ENV, _load_cpu_ops, _load_cuda_ops, get_ops, reference
 
 GARBAGE_BLOCK = 1_000_000  # pads block tables: far out of range, so reading it would raise or return junk
 
@@ -307,11 +307,36 @@ def test_copy_blocks_random_overlapping_sequences(seed):
         assert torch.equal(got, want)
 
 
-def test_get_ops_on_cpu_is_the_reference():
-    ops = get_ops(torch.device("cpu"))
-    assert ops is reference
-    for name in ("write_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks"):
-        assert callable(getattr(ops, name))
+OPS = ("write_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "rms_norm")
+OPS += ("add_rms_norm_", "rotary_write_kv_", "silu_mul")
+
+
+@pytest.fixture
+def fresh_cpu_ops():
+    _load_cpu_ops.cache_clear()
+    yield
+    _load_cpu_ops.cache_clear()
+
+
+def test_get_ops_on_cpu_is_the_built_kernels_unless_switched_off(monkeypatch, fresh_cpu_ops):
+    from pagedserve.kernels import cpu_ops
+
+    assert get_ops(torch.device("cpu")) is cpu_ops
+    monkeypatch.setenv(CPU_KERNELS_ENV, "off")
+    assert get_ops(torch.device("cpu")) is reference
+    for ops in (cpu_ops, reference):
+        for name in OPS:
+            assert callable(getattr(ops, name)), (ops, name)
+
+
+def test_get_ops_on_cpu_falls_back_to_the_reference_when_the_build_fails(monkeypatch, fresh_cpu_ops):
+    from pagedserve.kernels import cpu_ops
+
+    def load():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpu_ops, "load", load)
+    assert get_ops(torch.device("cpu")) is reference
 
 
 @pytest.fixture

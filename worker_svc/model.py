@@ -119,23 +119,25 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    """RMSNorm through the kernel ops: normalised in float32, multiplied in the model dtype (as HF)."""
+
+    def __init__(self, size: int, eps: float, ops: Any, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
+        self.ops = ops
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and multiply in the model dtype, like the HF implementations.
-        # NOTE: torch's F.rms_norm is no faster on CPU (torch 2.13): ~39 us per call on a [1, 576] row
-        # against ~15 us for these five small ops, so the HF formula stays.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """x += delta in place (the residual stream), then the norm of x: one pass on CPU."""
+        return self.ops.add_rms_norm_(x, delta, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) RoPE from a cos/sin cache indexed by position. `lookup` gathers the
-    tables of a batch's positions once per forward, and every layer's `_rotate` reuses them."""
+    """Neox-style (rotate-half) RoPE from a cos/sin table indexed by position. `lookup` gathers the rows of
+    a batch's positions once per forward; every layer's ops.rotary_write_kv_ rotates with them."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -144,10 +146,8 @@ class RotaryEmbedding(nn.Module):
         freqs = pos[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
         # NOTE: cast to the model dtype after computing in float32, as HF does for cos/sin.
         cos, sin = freqs.cos(), freqs.sin()
-        self.register_buffer("cos", cos.to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", sin.to(dtype=dtype, device=device), persistent=False)
-        # [max_position, head_dim] tables for the one-pass form: x * (cos, cos) + (x2, x1) * (-sin, sin).
-        # The products and sums are those of (x1 cos - x2 sin, x2 cos + x1 sin), so bitwise the same.
+        # [max_position, 2 * head_dim] rows of (cos, cos) and (-sin, sin), for the one-pass form
+        # x * (cos, cos) + (x2, x1) * (-sin, sin) (see kernels/reference.py rotary_write_kv_).
         table = torch.cat((cos, cos, -sin, sin), dim=-1).to(dtype=dtype, device=device)
         self.register_buffer("table", table, persistent=False)
 
@@ -155,16 +155,6 @@ class RotaryEmbedding(nn.Module):
         """(cos, sin) of each token, [T, 1, D] each, broadcast over heads."""
         cos, sin = self.table[positions].unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        cos_sin = self.lookup(positions)
-        return _rotate(q, cos_sin), _rotate(k, cos_sin)
-
-
-def _rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    cos, sin = cos_sin
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x2, x1), dim=-1).mul_(sin).add_(x * cos)
 
 
 def _inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -235,8 +225,8 @@ class Attention(nn.Module):
         self.o_proj = _linear(self.q_size, h, config.o_bias, dtype, device)
         self.q_norm = self.k_norm = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, dtype, device)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, dtype, device)
 
     def forward(
         self,
@@ -252,10 +242,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        # q and k heads rotated together: one set of RoPE ops per layer instead of two.
-        q, k = _rotate(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache
-        self.ops.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        # q and k heads rotated together, in place, and the keys and values written to the cache.
+        self.ops.rotary_write_kv_(qk, v, *cos_sin, k_cache, v_cache, attn.slot_mapping)
+        q = qk[:, : self.num_heads]
         if attn.max_query_len == 1:
             assert t == attn.context_lens.shape[0], "a decode batch has exactly one row per sequence"
             out = self.ops.paged_decode_attention(
@@ -269,9 +259,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, ops: Any, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.ops = ops
         # gate and up in one matmul: the loader concatenates the HF gate_proj and up_proj rows.
         self.gate_up_proj = _linear(
             config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype, device
@@ -279,28 +269,31 @@ class MLP(nn.Module):
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, ops: Any, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.self_attn = Attention(config, ops, dtype, device)
-        self.mlp = MLP(config, dtype, device)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = MLP(config, ops, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
 
     def forward(
         self,
         x: torch.Tensor,
+        h: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
+        next_norm: RMSNorm,
     ) -> torch.Tensor:
-        # NOTE: the residual stream is updated in place (x is this forward's own tensor).
-        x = x.add_(self.self_attn(self.input_layernorm(x), cos_sin, attn, kv_cache))
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        """x is the residual stream (updated in place: it is this forward's own tensor) and h its
+        input_layernorm; returns next_norm of the updated stream, the next layer's input (or the final
+        norm). Each residual add is fused with the norm that follows it."""
+        h = self.post_attention_layernorm.add_(x, self.self_attn(h, cos_sin, attn, kv_cache))
+        return next_norm.add_(x, self.mlp(h))
 
 
 class CausalLM(nn.Module):
@@ -320,7 +313,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, ops, dtype, device) for _ in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
@@ -339,9 +332,11 @@ class CausalLM(nn.Module):
         assert len(kv_caches) == len(self.layers)
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope.lookup(positions)  # once for all layers
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, attn, kv_cache)
-        return self.norm(x)
+        h = self.layers[0].input_layernorm(x)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms, strict=True):
+            h = layer(x, h, cos_sin, attn, kv_cache, next_norm)
+        return h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

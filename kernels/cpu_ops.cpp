@@ -1,0 +1,376 @@
+// CPU kernels: paged attention straight from the block tables, and the small per-layer ops of a decoder
+// fused into one pass each (RMSNorm with its residual add, RoPE with the KV cache write).
+//
+// Same contracts as kernels/reference.py (see there and proto/worker.proto). Every kernel reads bf16,
+// fp16 or fp32 and computes in float32; the pointwise ones round to the tensor dtype exactly where the
+// PyTorch formulas in reference.py round, so in bf16 they agree bit for bit with them except for the
+// order of the sums inside RMSNorm and attention.
+//
+// Built once per machine by kernels/cpu_ops.py (torch.utils.cpp_extension, with -march=native).
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// exp of n floats in place: 2^k * exp(r) with k = round(x / ln 2), |r| <= ln 2 / 2, and the Cephes
+// polynomial for exp(r) (within 2 ulp of std::exp). Written so the compiler vectorises the loop: a scalar
+// std::exp per score would cost more than the whole attention. Underflows to 0 below -87.3.
+inline void exp_inplace(float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::min(std::max(x[i], -87.3f), 88.3f);
+    const float k = std::floor(v * 1.44269504088896341f + 0.5f);
+    float r = v - k * 0.693359375f;
+    r = r + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    x[i] = x[i] < -87.3f ? 0.f : p * scale;
+  }
+}
+
+// Rounds a float to T and back: where the reference formulas hold a value in the model dtype.
+template <typename T>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache ", v_cache.sizes(), " != k_cache ", k_cache.sizes());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k_cache and v_cache differ in dtype");
+}
+
+// ---- paged attention ------------------------------------------------------------------------------------
+
+// Brings the bytes [ptr, ptr + bytes) towards the cache ahead of use: the next block of a sequence lies
+// anywhere in the pool, so the hardware prefetcher cannot guess it.
+inline void prefetch(const void* ptr, int64_t bytes) {
+  const char* p = static_cast<const char*>(ptr);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
+}
+
+// One task is one query row (token) and a range of kv heads (all of them unless there are fewer rows
+// than threads): the query heads of those kv heads score every visible position (0 .. the token's own
+// position), reading K and V in place, block by block through the sequence's block table. A block holds
+// all kv heads of a slot side by side, so the task streams through each block front to back while the
+// next one is prefetched. Two passes: scores (kept, heads x visible floats), then softmax and the
+// weighted sum of V rows. Tasks are handed out dynamically: prefill rows see contexts of different
+// lengths.
+template <typename T>
+void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const std::vector<int64_t>& seq_of_token,
+                          const std::vector<int64_t>& pos_of_token, const std::vector<int64_t>& row_of_token,
+                          double scale, at::Tensor& out) {
+  const int64_t num_rows = static_cast<int64_t>(row_of_token.size());
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t table_width = block_tables.size(1), table_stride = block_tables.stride(0);
+  const int64_t q_stride = query.stride(0), out_stride = out.stride(0);
+  const int64_t slot_stride = num_kv_heads * head_dim;  // elements between consecutive slots
+  const int64_t block_bytes = block_size * slot_stride * static_cast<int64_t>(sizeof(T));
+  const T* q_ptr = query.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  T* out_ptr = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  const int threads = std::max(1, at::get_num_threads());
+  // Split the kv heads only when there are too few rows to keep every thread busy.
+  const int64_t splits = std::min<int64_t>(num_kv_heads, (threads + num_rows - 1) / num_rows);
+  const int64_t heads_per_task = (num_kv_heads + splits - 1) / splits;
+  const int64_t num_tasks = num_rows * splits;
+  std::atomic<bool> bad{false};
+  std::atomic<int64_t> bad_block{0};
+
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, num_tasks)))
+  {
+    std::vector<float> q(heads_per_task * group * head_dim), row(heads_per_task * head_dim),
+        acc(heads_per_task * group * head_dim), inv_sum(heads_per_task * group), scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_tasks; ++task) {
+      const int64_t i = task / splits, t = row_of_token[i];
+      const int64_t h0 = task % splits * heads_per_task, h1 = std::min(num_kv_heads, h0 + heads_per_task);
+      const int64_t nq = (h1 - h0) * group, width = (h1 - h0) * head_dim;
+      const int32_t* table = tables + seq_of_token[i] * table_stride;
+      const int64_t visible = pos_of_token[i] + 1, used_blocks = (visible + block_size - 1) / block_size;
+      const T* q_row = q_ptr + t * q_stride + h0 * group * head_dim;
+      for (int64_t j = 0; j < nq * head_dim; ++j) q[j] = static_cast<float>(q_row[j]) * fscale;
+      scores.resize(nq * visible);
+
+      for (int64_t b = 0; b < used_blocks; ++b) {
+        const int64_t block = table[b];
+        if (block < 0 || block >= num_blocks || b >= table_width) {
+          bad_block.store(block);
+          bad.store(true);
+          break;
+        }
+        if (b + 1 < used_blocks && table[b + 1] >= 0 && table[b + 1] < num_blocks)
+          prefetch(k_ptr + table[b + 1] * block_size * slot_stride, block_bytes);
+        const int64_t end = std::min(block_size, visible - b * block_size);
+        for (int64_t j = 0; j < end; ++j) {
+          const int64_t p = b * block_size + j;
+          load_row(k_ptr + (block * block_size + j) * slot_stride + h0 * head_dim, row.data(), width);
+          for (int64_t r = 0; r < nq; ++r)
+            scores[r * visible + p] = dot(&q[r * head_dim], &row[r / group * head_dim], head_dim);
+        }
+      }
+      if (bad.load()) continue;
+
+      for (int64_t r = 0; r < nq; ++r) {
+        float* s = &scores[r * visible];
+        float max = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < visible; ++p) max = std::max(max, s[p]);
+#pragma omp simd
+        for (int64_t p = 0; p < visible; ++p) s[p] -= max;
+        exp_inplace(s, visible);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t p = 0; p < visible; ++p) sum += s[p];
+        inv_sum[r] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.begin() + nq * head_dim, 0.f);
+      for (int64_t b = 0; b < used_blocks; ++b) {
+        const int64_t block = table[b];
+        if (b + 1 < used_blocks) prefetch(v_ptr + table[b + 1] * block_size * slot_stride, block_bytes);
+        const int64_t end = std::min(block_size, visible - b * block_size);
+        for (int64_t j = 0; j < end; ++j) {
+          const int64_t p = b * block_size + j;
+          load_row(v_ptr + (block * block_size + j) * slot_stride + h0 * head_dim, row.data(), width);
+          for (int64_t r = 0; r < nq; ++r) {
+            const float w = scores[r * visible + p];
+            const float* v = &row[r / group * head_dim];
+            float* a = &acc[r * head_dim];
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += w * v[d];
+          }
+        }
+      }
+      T* o = out_ptr + t * out_stride + h0 * group * head_dim;
+      for (int64_t r = 0; r < nq; ++r)
+        for (int64_t d = 0; d < head_dim; ++d) o[r * head_dim + d] = static_cast<T>(acc[r * head_dim + d] * inv_sum[r]);
+    }
+  }
+  TORCH_CHECK(!bad.load(), "block table entry ", bad_block.load(), " is outside the cache (", num_blocks,
+              " blocks) or past the table's width");
+}
+
+// query [T, Hq, D] (rows may be strided); k_cache, v_cache [num_blocks, block_size, Hkv, D];
+// block_tables int32 [S, max_blocks]; query_start_loc int32 [S + 1]; context_lens int32 [S].
+// Sequence s owns query rows query_start_loc[s] .. query_start_loc[s + 1], its last tokens; a token at
+// position p attends to positions 0 .. p. Decode is the case of one row per sequence. Writes the rows of
+// out [T, Hq, D] of every sequence with at most max_query_len queries (all when negative) and leaves the
+// others to the caller.
+void paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& context_lens, double scale, int64_t max_query_len) {
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be [num_tokens, num_heads, head_dim] with contiguous heads");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query dtype ", query.scalar_type(),
+              " != cache dtype ", k_cache.scalar_type());
+  TORCH_CHECK(query.size(2) == k_cache.size(3), "query head_dim ", query.size(2), " != cache head_dim ",
+              k_cache.size(3));
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads ", query.size(1),
+              " is not a multiple of num_kv_heads ", k_cache.size(2));
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
+              "block_tables must be int32 [num_seqs, max_blocks]");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "query_start_loc and context_lens must be int32");
+  const int64_t num_seqs = context_lens.numel(), num_tokens = query.size(0);
+  TORCH_CHECK(query_start_loc.numel() == num_seqs + 1 && block_tables.size(0) == num_seqs,
+              "query_start_loc, context_lens and block_tables disagree on the number of sequences");
+  const at::Tensor starts = query_start_loc.contiguous(), lens = context_lens.contiguous();
+  const int32_t* start = starts.data_ptr<int32_t>();
+  const int32_t* ctx = lens.data_ptr<int32_t>();
+  TORCH_CHECK(start[0] == 0 && start[num_seqs] == num_tokens, "query_start_loc must run from 0 to ",
+              num_tokens);
+  const int64_t max_ctx = block_tables.size(1) * k_cache.size(1);
+  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() && out.scalar_type() == query.scalar_type(),
+              "out must be a contiguous tensor shaped and typed like query");
+  std::vector<int64_t> seq_of_token, pos_of_token, row_of_token;
+  seq_of_token.reserve(num_tokens), pos_of_token.reserve(num_tokens), row_of_token.reserve(num_tokens);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = start[s + 1] - start[s];
+    TORCH_CHECK(q_len >= 0 && q_len <= ctx[s], "sequence ", s, ": ", q_len, " queries but context length ",
+                ctx[s]);
+    TORCH_CHECK(ctx[s] <= max_ctx, "sequence ", s, ": context length ", ctx[s], " exceeds its block table (",
+                max_ctx, " positions)");
+    if (max_query_len >= 0 && q_len > max_query_len) continue;
+    for (int64_t i = 0; i < q_len; ++i) {
+      seq_of_token.push_back(s);
+      pos_of_token.push_back(ctx[s] - q_len + i);
+      row_of_token.push_back(start[s] + i);
+    }
+  }
+  if (row_of_token.empty()) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+    paged_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, seq_of_token, pos_of_token,
+                                   row_of_token, scale, out);
+  });
+}
+
+// ---- fused pointwise ops --------------------------------------------------------------------------------
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)) per row, normalised in float32, rounded to the dtype
+// before the weight is applied (as the HF models do). When delta is given, x += delta first, in place.
+template <typename T>
+void rms_norm_impl(T* x, int64_t x_stride, const T* delta, int64_t delta_stride, const T* weight, T* out,
+                   int64_t out_stride, int64_t rows, int64_t size, double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(size), w(size);
+    load_row(weight, w.data(), size);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * x_stride;
+      if (delta != nullptr) {
+        const T* dr = delta + r * delta_stride;
+        for (int64_t i = 0; i < size; ++i) xr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(dr[i]));
+      }
+      load_row(xr, v.data(), size);
+      const float inv = 1.f / std::sqrt(dot(v.data(), v.data(), size) / static_cast<float>(size) + static_cast<float>(eps));
+      T* o = out + r * out_stride;
+      for (int64_t i = 0; i < size; ++i) o[i] = static_cast<T>(w[i] * round_to<T>(v[i] * inv));
+    }
+  });
+}
+
+at::Tensor rms_norm_any(const at::Tensor& x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1, "x must have a contiguous last dimension");
+  const int64_t size = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == size && weight.is_contiguous(), "weight must be [", size, "]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x differ in dtype");
+  // In place, x must be viewable as rows (view fails clearly otherwise); else any layout will do.
+  at::Tensor rows = delta.has_value() ? x.view({-1, size}) : x.reshape({-1, size});
+  at::Tensor d;
+  if (delta.has_value()) {
+    d = delta->reshape({-1, size});
+    TORCH_CHECK(d.sizes() == rows.sizes() && d.stride(1) == 1 && d.scalar_type() == x.scalar_type(),
+                "delta must match x");
+  }
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_impl<scalar_t>(rows.data_ptr<scalar_t>(), rows.stride(0), d.defined() ? d.data_ptr<scalar_t>() : nullptr,
+                            d.defined() ? d.stride(0) : 0, weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), size,
+                            rows.size(0), size, eps);
+  });
+  return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm_any(x, c10::nullopt, weight, eps);
+}
+
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  return rms_norm_any(x, delta, weight, eps);
+}
+
+// Neox RoPE on the query and key heads of qk [T, Hq + Hkv, D] in place, then the rotated keys and the
+// values v [T, Hkv, D] written into the cache at slot_mapping (negative slots skipped). cos and sin are
+// [T, 1, D] rows of (cos, cos) and (-sin, sin); a head x becomes x * cos + (x2, x1) * sin, each product
+// and the sum rounded to the dtype as in the reference.
+template <typename T>
+void rotary_write_kv_impl(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                          at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+  const int64_t num_tokens = qk.size(0), heads = qk.size(1), head_dim = qk.size(2), half = head_dim / 2;
+  const int64_t num_kv_heads = v.size(1), num_heads = heads - num_kv_heads;
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row = num_kv_heads * head_dim;
+  T* qk_ptr = qk.data_ptr<T>();
+  const T* v_ptr = v.data_ptr<T>();
+  const T* cos_ptr = cos.data_ptr<T>();
+  const T* sin_ptr = sin.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  std::atomic<int64_t> bad_slot{-1};
+  at::parallel_for(0, num_tokens, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(head_dim), s(head_dim), x(head_dim);
+    for (int64_t t = begin; t < end; ++t) {
+      load_row(cos_ptr + t * cos.stride(0), c.data(), head_dim);
+      load_row(sin_ptr + t * sin.stride(0), s.data(), head_dim);
+      for (int64_t h = 0; h < heads; ++h) {
+        T* xh = qk_ptr + t * qk.stride(0) + h * head_dim;
+        load_row(xh, x.data(), head_dim);
+        for (int64_t d = 0; d < head_dim; ++d) {
+          const float swapped = x[d < half ? d + half : d - half];
+          xh[d] = static_cast<T>(round_to<T>(swapped * s[d]) + round_to<T>(x[d] * c[d]));
+        }
+      }
+      const int64_t dst = slot[t];
+      if (dst < 0) continue;  // padding
+      if (dst >= num_slots) {
+        bad_slot.store(dst);
+        continue;
+      }
+      const T* k_row = qk_ptr + t * qk.stride(0) + num_heads * head_dim;
+      const T* v_row = v_ptr + t * v.stride(0);
+      std::copy(k_row, k_row + row, kc + dst * row);
+      std::copy(v_row, v_row + row, vc + dst * row);
+    }
+  });
+  TORCH_CHECK(bad_slot.load() < 0, "slot ", bad_slot.load(), " is outside the cache (", num_slots, " slots)");
+}
+
+void rotary_write_kv_(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2),
+              "qk must be [num_tokens, heads, head_dim] with contiguous heads");
+  TORCH_CHECK(v.dim() == 3 && v.stride(2) == 1 && v.stride(1) == v.size(2), "v must be [num_tokens, kv_heads, head_dim] with contiguous heads");
+  TORCH_CHECK(v.size(0) == qk.size(0) && v.size(1) == k_cache.size(2) && v.size(2) == k_cache.size(3) &&
+                  qk.size(2) == k_cache.size(3) && qk.size(1) > v.size(1),
+              "qk ", qk.sizes(), ", v ", v.sizes(), " and the cache ", k_cache.sizes(), " disagree");
+  TORCH_CHECK(qk.size(2) % 2 == 0, "head_dim must be even for RoPE");
+  for (const at::Tensor& t : {v, cos, sin, k_cache})
+    TORCH_CHECK(t.scalar_type() == qk.scalar_type(), "every tensor must have qk's dtype ", qk.scalar_type());
+  TORCH_CHECK(cos.size(0) == qk.size(0) && cos.size(-1) == qk.size(2) && cos.stride(-1) == 1 &&
+                  sin.sizes() == cos.sizes() && sin.stride(-1) == 1,
+              "cos and sin must be [num_tokens, 1, head_dim]");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == qk.size(0), "slot_mapping must be [num_tokens]");
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qk.scalar_type(), "rotary_write_kv", [&] {
+    rotary_write_kv_impl<scalar_t>(qk, v, cos, sin, k_cache, v_cache, slots);
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pagedserve CPU kernels: paged attention and fused decoder ops";
+  m.def("paged_attention_", &paged_attention_, "Causal attention of a flat token batch over the paged KV cache");
+  m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x");
+  m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of x");
+  m.def("rotary_write_kv_", &rotary_write_kv_, "RoPE on q and k in place, then k and v into the cache");
+}

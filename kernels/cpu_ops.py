@@ -1,0 +1,151 @@
+"""CPU implementation of the kernel ops: kernels/cpu_ops.cpp, built for this machine on first use.
+
+The extension is compiled with torch.utils.cpp_extension (g++ and ninja, about 30 s) with -march=native,
+once per machine and source version, into torch's extension cache (TORCH_EXTENSIONS_DIR, by default
+~/.cache/torch_extensions; `make install` builds it ahead of time). The build is named after this CPU's
+feature flags, so a cache shared with a different CPU never loads code built for another instruction set.
+
+What it replaces, and why: in stock PyTorch, attention gathers every sequence's K/V into dense tensors
+and widens them to float32 before two small batched matmuls, and each decoder layer runs about ninety
+small ops (RMSNorm alone is five). Here attention reads the paged cache in place, and RMSNorm with its
+residual add, and RoPE with the KV write, are one pass each. Whole prompts still take
+dense SDPA (reference.prefill_sequence), which beats a per-row kernel on long causal blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from pagedserve.kernels import reference
+
+# NOTE: PyTorch's own silu and mul beat a fused loop here (vectorised bf16 conversions): 21 against 82 us
+# for 24 rows of SmolLM2's MLP, 2 threads.
+from pagedserve.kernels.reference import copy_blocks, silu_mul, write_kv
+
+__all__ = [
+    "add_rms_norm_",
+    "copy_blocks",
+    "load",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rms_norm",
+    "rotary_write_kv_",
+    "silu_mul",
+    "write_kv",
+]
+
+SOURCE = Path(__file__).resolve().parent / "cpu_ops.cpp"
+# NOTE: no fused multiply-adds: x * c + y * s must round each product as PyTorch does (bitwise the same
+# RoPE); the kernels are bound by memory traffic, not by the extra add.
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+# A sequence with at least this many queries in a step goes through dense SDPA (whole prompts, long
+# chunks); shorter ones (decodes, the tails of prefix-cached prompts) through the paged kernel. Measured
+# on a 2-core AVX-512 machine, SmolLM2 shapes: a 500-token prompt takes 5.9 ms per layer in SDPA against
+# 12.6 ms in the kernel, while 24 decodes over ~260 positions take 0.8 ms against 1.8 ms.
+SDPA_MIN_QUERY_LEN = 64
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's model and feature flags (Linux), else of torch's CPU capability."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        wanted = [line for line in lines if line.startswith(("flags", "model name"))][:2]
+    except OSError:
+        wanted = []
+    key = "\n".join(wanted) or torch.backends.cpu.get_cpu_capability()
+    return hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
+@functools.cache
+def load() -> ModuleType:
+    """The compiled extension; builds it on the first call on this machine. Raises when it cannot be built
+    (no C++ compiler, no ninja); pagedserve.kernels.get_ops then falls back to the reference."""
+    from torch.utils import cpp_extension
+
+    from pagedserve.logging import get_logger
+
+    log = get_logger(__name__)
+    name = f"pagedserve_cpu_{_cpu_tag()}"
+    started = time.monotonic()
+    log.info("cpu_kernels_loading", name=name, note="compiled once per machine, about 30 s the first time")
+    module = cpp_extension.load(
+        name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False
+    )
+    log.info("cpu_kernels_ready", name=name, seconds=round(time.monotonic() - started, 1))
+    return module
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    batch = query.shape[0]
+    assert block_tables.shape[0] == batch and context_lens.shape == (batch,)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    starts = torch.arange(batch + 1, dtype=torch.int32)
+    load().paged_attention_(
+        out, query, k_cache, v_cache, _int32(block_tables), starts, _int32(context_lens), scale, -1
+    )
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    tables, starts, lens = _int32(block_tables), _int32(query_start_loc), _int32(context_lens)
+    load().paged_attention_(out, query, k_cache, v_cache, tables, starts, lens, scale, SDPA_MIN_QUERY_LEN - 1)
+    bounds, ctx_lens = starts.tolist(), lens.tolist()
+    for s, ctx in enumerate(ctx_lens):
+        if bounds[s + 1] - bounds[s] >= SDPA_MIN_QUERY_LEN:
+            rows = slice(bounds[s], bounds[s + 1])
+            out[rows] = reference.prefill_sequence(query[rows], k_cache, v_cache, tables[s], ctx, scale)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return load().rms_norm(x, weight, eps)
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return load().add_rms_norm_(x, delta, weight, eps)
+
+
+def rotary_write_kv_(
+    qk: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    load().rotary_write_kv_(qk, value, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+if __name__ == "__main__":
+    # `python -m pagedserve.kernels.cpu_ops`: build (or find) the extension for this machine.
+    from pagedserve.logging import configure_logging
+
+    configure_logging("kernels", json=False)
+    print(f"CPU kernels ready: {load().__file__}")

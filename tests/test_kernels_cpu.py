@@ -1,0 +1,213 @@
+"""The C++ CPU kernels (kernels/cpu_ops.cpp): attention against the float64 oracle, the fused small ops
+against the PyTorch reference formulas they replace, bad input refused with an error (never a crash),
+and a whole model in bf16 no less accurate through them than through the reference.
+
+The extension is built on first use (g++ and ninja); the module is skipped where it cannot be built.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels_reference import (
+    DECODE_PARAMS,
+    PREFILL_PARAMS,
+    Case,
+    assert_matches_oracle,
+    context_lens_for,
+    oracle,
+)
+from test_model import FAMILIES, VOCAB, PagedCache, _hf_logits, _save_tiny_hf_model
+
+from pagedserve.kernels import CPU_KERNELS_ENV, cpu_ops, reference
+from pagedserve.worker_svc.loader import load_model
+
+
+def _built() -> bool:
+    try:
+        cpu_ops.load()
+    except Exception:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _built(), reason="the C++ CPU kernels cannot be built here")
+
+
+# ---- attention ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), DECODE_PARAMS)
+def test_decode_attention_matches_per_token_oracle(num_kv_heads, group, head_dim, block_size, dtype):
+    case = Case(context_lens_for(block_size), block_size, num_kv_heads, head_dim, dtype, seed=group)
+    query = torch.randn(len(case.ctx_lens), num_kv_heads * group, head_dim, generator=case.gen).to(dtype)
+    scale = head_dim**-0.5
+    out = cpu_ops.paged_decode_attention(
+        query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, scale
+    )
+    assert_matches_oracle(out, oracle(query, case, [1] * len(case.ctx_lens), scale), dtype)
+
+
+@pytest.mark.parametrize("sdpa_min_query_len", [cpu_ops.SDPA_MIN_QUERY_LEN, 3])
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), PREFILL_PARAMS)
+def test_mixed_prefill_batch_matches_per_token_oracle(
+    monkeypatch, sdpa_min_query_len, num_kv_heads, group, head_dim, block_size, dtype
+):
+    # With a threshold of 3, the batch is split: the longer queries go through SDPA, the rest through the
+    # paged kernel, and the rows must land where they belong.
+    monkeypatch.setattr(cpu_ops, "SDPA_MIN_QUERY_LEN", sdpa_min_query_len)
+    bs = block_size
+    seqs = [(3 * bs + 5, 7), (3 * bs + 2, 1), (bs + 1, bs + 1), (1, 1), (100, 1), (bs, bs - 1), (2 * bs, 3)]
+    ctx_lens, q_lens = [c for c, _ in seqs], [q for _, q in seqs]
+    case = Case(ctx_lens, bs, num_kv_heads, head_dim, dtype, seed=7 + group, shared_prefix_blocks=3)
+    query = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=case.gen).to(dtype)
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    scale = head_dim**-0.5
+    out = cpu_ops.paged_prefill_attention(
+        query, case.k_cache, case.v_cache, case.block_tables, query_start_loc, case.context_lens, scale
+    )
+    assert_matches_oracle(out, oracle(query, case, q_lens, scale), dtype)
+
+
+def test_a_query_that_is_a_strided_view_is_read_in_place():
+    # The model hands the kernel q as a view into the fused qkv projection's output.
+    case = Case([30, 5], 8, 2, 64, torch.float32, seed=1)
+    qkv = torch.randn(2, (4 + 2 + 2) * 64, generator=case.gen)
+    query = qkv[:, : 4 * 64].view(2, 4, 64)
+    assert not query.is_contiguous()
+    out = cpu_ops.paged_decode_attention(
+        query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125
+    )
+    assert_matches_oracle(out, oracle(query, case, [1, 1], 0.125), torch.float32)
+
+
+def test_bf16_attention_accumulates_in_float32():
+    # bf16 in and out, float32 in between: exactly the float32 computation on the same values, rounded once.
+    case = Case([700, 300], 16, 1, 64, torch.bfloat16, seed=2)
+    query = torch.randn(2, 4, 64, generator=case.gen).bfloat16()
+    k32, v32 = case.k_cache.float(), case.v_cache.float()
+    args = (case.block_tables, case.context_lens, 0.125)
+    out = cpu_ops.paged_decode_attention(query, case.k_cache, case.v_cache, *args)
+    out32 = cpu_ops.paged_decode_attention(query.float(), k32, v32, *args)
+    assert torch.equal(out, out32.bfloat16())
+
+
+def test_block_id_outside_the_cache_is_an_error_not_a_crash():
+    case = Case([40, 9], 8, 2, 64, torch.float32, seed=3)
+    tables = case.block_tables.clone()
+    tables[0, 2] = case.k_cache.shape[0] + 5
+    query = torch.randn(2, 2, 64)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_ops.paged_decode_attention(query, case.k_cache, case.v_cache, tables, case.context_lens, 0.1)
+    tables[0, 2] = -1
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_ops.paged_decode_attention(query, case.k_cache, case.v_cache, tables, case.context_lens, 0.1)
+
+
+def test_context_past_the_block_table_or_short_of_the_queries_is_refused():
+    case = Case([16], 8, 1, 64, torch.float32, seed=4)
+    query = torch.randn(1, 1, 64)
+    narrow = case.block_tables[:, :1]  # 8 positions, for a context of 16
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        cpu_ops.paged_decode_attention(query, case.k_cache, case.v_cache, narrow, case.context_lens, 0.1)
+    with pytest.raises(RuntimeError, match="3 queries but context length 2"):
+        cpu_ops.paged_prefill_attention(
+            torch.randn(3, 1, 64),
+            case.k_cache,
+            case.v_cache,
+            case.block_tables,
+            torch.tensor([0, 3], dtype=torch.int32),
+            torch.tensor([2], dtype=torch.int32),
+            0.1,
+        )
+
+
+# ---- the fused small ops --------------------------------------------------------------------------------
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(dtype: torch.dtype) -> dict:
+    # The norm's sum of squares is added up in another order: at most one rounding step apart in bf16.
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_the_fused_residual_add_match_the_reference(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(37, 576, generator=gen)).to(dtype)
+    delta = torch.randn(37, 576, generator=gen).to(dtype)
+    weight = (1 + 0.2 * torch.randn(576, generator=gen)).to(dtype)
+    torch.testing.assert_close(
+        cpu_ops.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), **_close(dtype)
+    )
+    x_ref = x.clone()
+    expected = reference.add_rms_norm_(x_ref, delta, weight, 1e-5)
+    got = cpu_ops.add_rms_norm_(x, delta, weight, 1e-5)
+    assert torch.equal(x, x_ref)  # the residual stream itself is updated exactly
+    torch.testing.assert_close(got, expected, **_close(dtype))
+
+
+def test_rms_norm_of_per_head_views_normalises_each_head():
+    # qwen3's q/k norms see [T, heads, head_dim] slices of the qkv output: not one flat block of rows.
+    qkv = torch.randn(5, 12, 32)
+    heads = qkv[:, 2:9]
+    weight = torch.randn(32)
+    torch.testing.assert_close(cpu_ops.rms_norm(heads, weight, 1e-6), reference.rms_norm(heads, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_write_kv_is_bitwise_the_reference_and_skips_padding(dtype):
+    gen = torch.Generator().manual_seed(1)
+    num_heads, num_kv_heads, head_dim, t = 6, 2, 64, 9
+    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    table = torch.randn(100, 2 * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 100, (t,), generator=gen)
+    cos, sin = table[positions].unsqueeze(1).chunk(2, dim=-1)
+    slots = torch.randperm(40, generator=gen)[:t]
+    slots[3] = -1  # padding
+    results = []
+    for ops in (cpu_ops, reference):
+        x = qkv.clone()
+        qk = x[:, : (num_heads + num_kv_heads) * head_dim].view(t, num_heads + num_kv_heads, head_dim)
+        v = x[:, (num_heads + num_kv_heads) * head_dim :].view(t, num_kv_heads, head_dim)
+        k_cache = torch.full((10, 4, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+        v_cache = torch.full_like(k_cache, float("nan"))
+        ops.rotary_write_kv_(qk, v, cos, sin, k_cache, v_cache, slots)
+        results.append((x, k_cache, v_cache))
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    k_cache = results[0][1].view(-1, num_kv_heads, head_dim)
+    assert k_cache.isnan().all(-1).all(-1).sum() == 40 - (t - 1)  # only the 8 real tokens were written
+
+
+def test_rotary_write_kv_refuses_a_slot_outside_the_cache():
+    qk, v = torch.randn(2, 3, 8), torch.randn(2, 1, 8)
+    cos, sin = torch.randn(2, 1, 8), torch.randn(2, 1, 8)
+    k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="slot 8 is outside the cache"):
+        cpu_ops.rotary_write_kv_(qk, v, cos, sin, k_cache, v_cache, torch.tensor([0, 8]))
+
+
+# ---- a whole model ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama_llama3_rope_untied", "qwen3_qk_norm_explicit_head_dim"])
+def test_bf16_model_through_the_kernels_is_as_accurate_as_through_the_reference(
+    tmp_path, monkeypatch, family
+):
+    hf = _save_tiny_hf_model(FAMILIES[family](), tmp_path)
+    tokens = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (70, 9)]
+    expected = torch.cat([_hf_logits(hf, t) for t in tokens])
+    errors = {}
+    for kernels in ("on", "off"):
+        monkeypatch.setenv(CPU_KERNELS_ENV, kernels)
+        model = load_model(tmp_path, torch.bfloat16, "cpu")
+        assert (model.layers[0].self_attn.ops is cpu_ops) == (kernels == "on")
+        cache = PagedCache(model, 2, block_size=8)
+        # A whole prompt (SDPA), a short one (the paged kernel), then one decode step for each.
+        logits = cache.run(model, tokens, [(0, 0, 69), (1, 0, 8)])
+        decode = cache.run(model, tokens, [(0, 69, 70), (1, 8, 9)])
+        got = torch.cat([logits[:69], decode[:1], logits[69:], decode[1:]])
+        errors[kernels] = (got - expected).abs().max().item()
+    assert errors["on"] <= 1.25 * errors["off"] + 1e-3, errors
