@@ -19,6 +19,15 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// NOTE: where the build targets AVX-512 (-march=native on such a CPU), dot and exp are written with its
+// intrinsics: GCC vectorises the plain loops below but ends every dot product with sixteen dependent
+// scalar adds (the reduction order it must keep) and leaves the exp polynomial scalar, which together
+// cost more than everything else in attention. The plain loops are the portable definition.
+
 namespace {
 
 template <typename T>
@@ -28,9 +37,19 @@ inline void load_row(const T* src, float* dst, int64_t n) {
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
   float sum = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  sum = _mm512_reduce_add_ps(acc);
+  // NOTE: no `omp simd reduction` on the tail: GCC then sums its sixteen lanes one by one after the
+  // loop even when the loop does not run.
+  for (; i < n; ++i) sum += a[i] * b[i];
+#else
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  for (int64_t j = i; j < n; ++j) sum += a[j] * b[j];
+#endif
   return sum;
 }
 
@@ -38,8 +57,29 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // polynomial for exp(r) (within 2 ulp of std::exp). Written so the compiler vectorises the loop: a scalar
 // std::exp per score would cost more than the whole attention. Underflows to 0 below -87.3.
 inline void exp_inplace(float* x, int64_t n) {
+  int64_t start = 0;
+#if defined(__AVX512F__)
+  const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.3f);
+  for (; start + 16 <= n; start += 16) {
+    const __m512 in = _mm512_loadu_ps(x + start);
+    const __m512 v = _mm512_min_ps(_mm512_max_ps(in, lo), hi);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
+    r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+    const __mmask16 underflow = _mm512_cmp_ps_mask(in, lo, _CMP_LT_OQ);
+    _mm512_storeu_ps(x + start, _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, k)));
+  }
+#endif
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = start; i < n; ++i) {
     const float v = std::min(std::max(x[i], -87.3f), 88.3f);
     const float k = std::floor(v * 1.44269504088896341f + 0.5f);
     float r = v - k * 0.693359375f;
@@ -72,6 +112,40 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 }
 
 // ---- paged attention ------------------------------------------------------------------------------------
+
+// acc[0 .. size) += sum over j < n of w[j] * rows[j * stride + (0 .. size)]: one block's V rows, weighted.
+#if defined(__AVX512F__)
+template <int kChunks>
+inline void accumulate_rows_avx512(float* acc, const float* w, const float* rows, int64_t stride, int64_t n) {
+  // The accumulator stays in registers over the block's rows instead of a load and store per row.
+  __m512 a[kChunks];
+  for (int c = 0; c < kChunks; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 wj = _mm512_set1_ps(w[j]);
+    for (int c = 0; c < kChunks; ++c) a[c] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(rows + j * stride + 16 * c), a[c]);
+  }
+  for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+#endif
+
+inline void accumulate_rows(float* acc, const float* w, const float* rows, int64_t stride, int64_t n, int64_t size) {
+#if defined(__AVX512F__)
+  switch (size) {
+    case 64: return accumulate_rows_avx512<4>(acc, w, rows, stride, n);
+    case 80: return accumulate_rows_avx512<5>(acc, w, rows, stride, n);
+    case 96: return accumulate_rows_avx512<6>(acc, w, rows, stride, n);
+    case 128: return accumulate_rows_avx512<8>(acc, w, rows, stride, n);
+    case 256: return accumulate_rows_avx512<16>(acc, w, rows, stride, n);
+    default: break;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    const float wj = w[j];
+    const float* row = rows + j * stride;
+#pragma omp simd
+    for (int64_t d = 0; d < size; ++d) acc[d] += wj * row[d];
+  }
+}
 
 // Brings the bytes [ptr, ptr + bytes) towards the cache ahead of use: the next block of a sequence lies
 // anywhere in the pool, so the hardware prefetcher cannot guess it.
@@ -117,7 +191,8 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, num_tasks)))
   {
     std::vector<float> q(heads_per_task * group * head_dim), row(heads_per_task * head_dim),
-        acc(heads_per_task * group * head_dim), inv_sum(heads_per_task * group), scores;
+        tile(block_size * heads_per_task * head_dim), acc(heads_per_task * group * head_dim),
+        inv_sum(heads_per_task * group), scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
       const int64_t i = task / splits, t = row_of_token[i];
@@ -165,17 +240,11 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         const int64_t block = table[b];
         if (b + 1 < used_blocks) prefetch(v_ptr + table[b + 1] * block_size * slot_stride, block_bytes);
         const int64_t end = std::min(block_size, visible - b * block_size);
-        for (int64_t j = 0; j < end; ++j) {
-          const int64_t p = b * block_size + j;
-          load_row(v_ptr + (block * block_size + j) * slot_stride + h0 * head_dim, row.data(), width);
-          for (int64_t r = 0; r < nq; ++r) {
-            const float w = scores[r * visible + p];
-            const float* v = &row[r / group * head_dim];
-            float* a = &acc[r * head_dim];
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += w * v[d];
-          }
-        }
+        for (int64_t j = 0; j < end; ++j)
+          load_row(v_ptr + (block * block_size + j) * slot_stride + h0 * head_dim, &tile[j * width], width);
+        for (int64_t r = 0; r < nq; ++r)
+          accumulate_rows(&acc[r * head_dim], &scores[r * visible + b * block_size], &tile[r / group * head_dim],
+                          width, end, head_dim);
       }
       T* o = out_ptr + t * out_stride + h0 * group * head_dim;
       for (int64_t r = 0; r < nq; ++r)
@@ -190,11 +259,11 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 // block_tables int32 [S, max_blocks]; query_start_loc int32 [S + 1]; context_lens int32 [S].
 // Sequence s owns query rows query_start_loc[s] .. query_start_loc[s + 1], its last tokens; a token at
 // position p attends to positions 0 .. p. Decode is the case of one row per sequence. Writes the rows of
-// out [T, Hq, D] of every sequence with at most max_query_len queries (all when negative) and leaves the
-// others to the caller.
+// out [T, Hq, D] of every sequence except those with several queries and more than max_pairs
+// query-key pairs (none when max_pairs is negative), which are left to the caller.
 void paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& context_lens, double scale, int64_t max_query_len) {
+                           const at::Tensor& context_lens, double scale, int64_t max_pairs) {
   check_cache(k_cache, v_cache);
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [num_tokens, num_heads, head_dim] with contiguous heads");
@@ -227,7 +296,8 @@ void paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor
                 ctx[s]);
     TORCH_CHECK(ctx[s] <= max_ctx, "sequence ", s, ": context length ", ctx[s], " exceeds its block table (",
                 max_ctx, " positions)");
-    if (max_query_len >= 0 && q_len > max_query_len) continue;
+    const int64_t pairs = q_len * ctx[s] - q_len * (q_len - 1) / 2;
+    if (max_pairs >= 0 && q_len > 1 && pairs > max_pairs) continue;
     for (int64_t i = 0; i < q_len; ++i) {
       seq_of_token.push_back(s);
       pos_of_token.push_back(ctx[s] - q_len + i);

@@ -48,14 +48,14 @@ def test_decode_attention_matches_per_token_oracle(num_kv_heads, group, head_dim
     assert_matches_oracle(out, oracle(query, case, [1] * len(case.ctx_lens), scale), dtype)
 
 
-@pytest.mark.parametrize("sdpa_min_query_len", [cpu_ops.SDPA_MIN_QUERY_LEN, 3])
+@pytest.mark.parametrize("sdpa_min_pairs", [cpu_ops.SDPA_MIN_PAIRS, 40])
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), PREFILL_PARAMS)
 def test_mixed_prefill_batch_matches_per_token_oracle(
-    monkeypatch, sdpa_min_query_len, num_kv_heads, group, head_dim, block_size, dtype
+    monkeypatch, sdpa_min_pairs, num_kv_heads, group, head_dim, block_size, dtype
 ):
-    # With a threshold of 3, the batch is split: the longer queries go through SDPA, the rest through the
-    # paged kernel, and the rows must land where they belong.
-    monkeypatch.setattr(cpu_ops, "SDPA_MIN_QUERY_LEN", sdpa_min_query_len)
+    # With a threshold of 40 pairs, the batch is split: the longer sequences go through SDPA, the rest
+    # through the paged kernel, and the rows must land where they belong.
+    monkeypatch.setattr(cpu_ops, "SDPA_MIN_PAIRS", sdpa_min_pairs)
     bs = block_size
     seqs = [(3 * bs + 5, 7), (3 * bs + 2, 1), (bs + 1, bs + 1), (1, 1), (100, 1), (bs, bs - 1), (2 * bs, 3)]
     ctx_lens, q_lens = [c for c, _ in seqs], [q for _, q in seqs]
