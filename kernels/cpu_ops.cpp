@@ -113,18 +113,105 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 
 // ---- paged attention ------------------------------------------------------------------------------------
 
+// out[j] = dot(q, rows + j * stride) for j < n: the scores of one query against a block's K rows.
+#if defined(__AVX512F__)
+// Sums each of 16 vectors into one lane of the result (lane j = sum of v[j]): a transposing tree of
+// shuffles and adds, about 3 instructions per vector instead of a full horizontal sum each.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane sums of 4 vectors
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes (0+1, 2+3) of two such
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+#if defined(__AVX512F__)
+template <int kChunks>
+inline void block_scores_avx512(const float* q, const float* rows, int64_t stride, int64_t n, float* out) {
+  __m512 qv[kChunks];
+  for (int c = 0; c < kChunks; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    __m512 partial[16];
+    for (int j = 0; j < 16; ++j) {
+      // Lanes past m repeat the last row and are never stored.
+      const float* row = rows + (j0 + std::min<int64_t>(j, m - 1)) * stride;
+      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(row));
+      for (int c = 1; c < kChunks; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(row + 16 * c), acc);
+      partial[j] = acc;
+    }
+    _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << m) - 1), sum_lanes16(partial));
+  }
+}
+#endif
+
+inline void block_scores(const float* q, const float* rows, int64_t stride, int64_t n, int64_t size, float* out) {
+#if defined(__AVX512F__)
+  switch (size) {
+    case 64: return block_scores_avx512<4>(q, rows, stride, n, out);
+    case 80: return block_scores_avx512<5>(q, rows, stride, n, out);
+    case 96: return block_scores_avx512<6>(q, rows, stride, n, out);
+    case 128: return block_scores_avx512<8>(q, rows, stride, n, out);
+    case 256: return block_scores_avx512<16>(q, rows, stride, n, out);
+    default: break;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) out[j] = dot(q, rows + j * stride, size);
+}
+
+// exp(s - max(s)) in place over n scores; returns their sum (softmax without the division).
+inline float exp_shifted_sum(float* s, int64_t n) {
+  float max = -std::numeric_limits<float>::infinity(), sum = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(max);
+  for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
+  max = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; i < n; ++i) max = std::max(max, s[i]);
+  for (int64_t p = 0; p < n; ++p) s[p] -= max;
+  exp_inplace(s, n);
+  i = 0;
+#if defined(__AVX512F__)
+  __m512 vsum = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) vsum = _mm512_add_ps(vsum, _mm512_loadu_ps(s + i));
+  sum = _mm512_reduce_add_ps(vsum);
+#endif
+  for (; i < n; ++i) sum += s[i];
+  return sum;
+}
+
 // acc[0 .. size) += sum over j < n of w[j] * rows[j * stride + (0 .. size)]: one block's V rows, weighted.
 #if defined(__AVX512F__)
 template <int kChunks>
 inline void accumulate_rows_avx512(float* acc, const float* w, const float* rows, int64_t stride, int64_t n) {
-  // The accumulator stays in registers over the block's rows instead of a load and store per row.
-  __m512 a[kChunks];
-  for (int c = 0; c < kChunks; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 wj = _mm512_set1_ps(w[j]);
-    for (int c = 0; c < kChunks; ++c) a[c] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(rows + j * stride + 16 * c), a[c]);
+  // The accumulator stays in registers over the block's rows instead of a load and store per row, in
+  // two copies (even and odd rows) so that twice as many multiply-adds are in flight.
+  __m512 a[kChunks], b[kChunks];
+  for (int c = 0; c < kChunks; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c), b[c] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const __m512 w0 = _mm512_set1_ps(w[j]), w1 = _mm512_set1_ps(w[j + 1]);
+    const float* r0 = rows + j * stride;
+    const float* r1 = r0 + stride;
+    for (int c = 0; c < kChunks; ++c) {
+      a[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(r0 + 16 * c), a[c]);
+      b[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(r1 + 16 * c), b[c]);
+    }
   }
-  for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+  if (j < n) {
+    const __m512 w0 = _mm512_set1_ps(w[j]);
+    for (int c = 0; c < kChunks; ++c) a[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(rows + j * stride + 16 * c), a[c]);
+  }
+  for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + 16 * c, _mm512_add_ps(a[c], b[c]));
 }
 #endif
 
@@ -154,19 +241,24 @@ inline void prefetch(const void* ptr, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
-// One task is one query row (token) and a range of kv heads (all of them unless there are fewer rows
-// than threads): the query heads of those kv heads score every visible position (0 .. the token's own
+// Consecutive query rows of one sequence (positions pos0 .. pos0 + len - 1, query rows row0 ..), computed
+// together so that every K and V block is read and widened to float once for all of them.
+struct RowChunk {
+  int64_t seq, row0, pos0, len;
+};
+constexpr int64_t kChunkRows = 8;
+
+// One task is one chunk of rows and a range of kv heads (all of them unless there are fewer chunks than
+// threads): the query heads of those kv heads score every position their row sees (0 .. its own
 // position), reading K and V in place, block by block through the sequence's block table. A block holds
-// all kv heads of a slot side by side, so the task streams through each block front to back while the
-// next one is prefetched. Two passes: scores (kept, heads x visible floats), then softmax and the
-// weighted sum of V rows. Tasks are handed out dynamically: prefill rows see contexts of different
-// lengths.
+// all kv heads of a slot side by side, so a task streams through each block front to back while the
+// next one is prefetched. Two passes: scores (kept: rows x heads x positions floats), then softmax and the
+// weighted sum of V rows. Tasks are handed out dynamically: chunks see contexts of different lengths.
 template <typename T>
 void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& block_tables, const std::vector<int64_t>& seq_of_token,
-                          const std::vector<int64_t>& pos_of_token, const std::vector<int64_t>& row_of_token,
-                          double scale, at::Tensor& out) {
-  const int64_t num_rows = static_cast<int64_t>(row_of_token.size());
+                          const at::Tensor& block_tables, const std::vector<RowChunk>& chunks, double scale,
+                          at::Tensor& out) {
+  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
@@ -181,28 +273,32 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
   T* out_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   const int threads = std::max(1, at::get_num_threads());
-  // Split the kv heads only when there are too few rows to keep every thread busy.
-  const int64_t splits = std::min<int64_t>(num_kv_heads, (threads + num_rows - 1) / num_rows);
+  // Split the kv heads only when there are too few chunks to keep every thread busy.
+  const int64_t splits = std::min<int64_t>(num_kv_heads, (threads + num_chunks - 1) / num_chunks);
   const int64_t heads_per_task = (num_kv_heads + splits - 1) / splits;
-  const int64_t num_tasks = num_rows * splits;
+  const int64_t num_tasks = num_chunks * splits;
   std::atomic<bool> bad{false};
   std::atomic<int64_t> bad_block{0};
 
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, num_tasks)))
   {
-    std::vector<float> q(heads_per_task * group * head_dim), row(heads_per_task * head_dim),
-        tile(block_size * heads_per_task * head_dim), acc(heads_per_task * group * head_dim),
-        inv_sum(heads_per_task * group), scores;
+    const int64_t max_q = kChunkRows * heads_per_task * group;  // query vectors of one task
+    std::vector<float> q(max_q * head_dim), tile(block_size * heads_per_task * head_dim), acc(max_q * head_dim),
+        inv_sum(max_q), scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
-      const int64_t i = task / splits, t = row_of_token[i];
+      const RowChunk& c = chunks[task / splits];
       const int64_t h0 = task % splits * heads_per_task, h1 = std::min(num_kv_heads, h0 + heads_per_task);
       const int64_t nq = (h1 - h0) * group, width = (h1 - h0) * head_dim;
-      const int32_t* table = tables + seq_of_token[i] * table_stride;
-      const int64_t visible = pos_of_token[i] + 1, used_blocks = (visible + block_size - 1) / block_size;
-      const T* q_row = q_ptr + t * q_stride + h0 * group * head_dim;
-      for (int64_t j = 0; j < nq * head_dim; ++j) q[j] = static_cast<float>(q_row[j]) * fscale;
-      scores.resize(nq * visible);
+      const int32_t* table = tables + c.seq * table_stride;
+      const int64_t span = c.pos0 + c.len;  // positions the last row sees
+      const int64_t used_blocks = (span + block_size - 1) / block_size;
+      // Vector v = i * nq + r is row i's query head h0 * group + r; its scores start at v * span.
+      for (int64_t i = 0; i < c.len; ++i) {
+        const T* q_row = q_ptr + (c.row0 + i) * q_stride + h0 * group * head_dim;
+        for (int64_t e = 0; e < nq * head_dim; ++e) q[i * nq * head_dim + e] = static_cast<float>(q_row[e]) * fscale;
+      }
+      scores.resize(c.len * nq * span);
 
       for (int64_t b = 0; b < used_blocks; ++b) {
         const int64_t block = table[b];
@@ -213,42 +309,48 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         }
         if (b + 1 < used_blocks && table[b + 1] >= 0 && table[b + 1] < num_blocks)
           prefetch(k_ptr + table[b + 1] * block_size * slot_stride, block_bytes);
-        const int64_t end = std::min(block_size, visible - b * block_size);
-        for (int64_t j = 0; j < end; ++j) {
-          const int64_t p = b * block_size + j;
-          load_row(k_ptr + (block * block_size + j) * slot_stride + h0 * head_dim, row.data(), width);
-          for (int64_t r = 0; r < nq; ++r)
-            scores[r * visible + p] = dot(&q[r * head_dim], &row[r / group * head_dim], head_dim);
+        const int64_t first = b * block_size, end = std::min(block_size, span - first);
+        for (int64_t j = 0; j < end; ++j)
+          load_row(k_ptr + (block * block_size + j) * slot_stride + h0 * head_dim, &tile[j * width], width);
+        for (int64_t i = std::max<int64_t>(0, first - c.pos0); i < c.len; ++i) {
+          const int64_t n = std::min(end, c.pos0 + i + 1 - first);  // positions of this block row i sees
+          for (int64_t r = 0; r < nq; ++r) {
+            const int64_t v = i * nq + r;
+            block_scores(&q[v * head_dim], &tile[r / group * head_dim], width, n, head_dim, &scores[v * span + first]);
+          }
         }
       }
       if (bad.load()) continue;
 
-      for (int64_t r = 0; r < nq; ++r) {
-        float* s = &scores[r * visible];
-        float max = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < visible; ++p) max = std::max(max, s[p]);
-#pragma omp simd
-        for (int64_t p = 0; p < visible; ++p) s[p] -= max;
-        exp_inplace(s, visible);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < visible; ++p) sum += s[p];
-        inv_sum[r] = 1.f / sum;
+      for (int64_t i = 0; i < c.len; ++i) {
+        const int64_t visible = c.pos0 + i + 1;
+        for (int64_t r = 0; r < nq; ++r) {
+          inv_sum[i * nq + r] = 1.f / exp_shifted_sum(&scores[(i * nq + r) * span], visible);
+        }
       }
-      std::fill(acc.begin(), acc.begin() + nq * head_dim, 0.f);
+      std::fill(acc.begin(), acc.begin() + c.len * nq * head_dim, 0.f);
       for (int64_t b = 0; b < used_blocks; ++b) {
         const int64_t block = table[b];
         if (b + 1 < used_blocks) prefetch(v_ptr + table[b + 1] * block_size * slot_stride, block_bytes);
-        const int64_t end = std::min(block_size, visible - b * block_size);
+        const int64_t first = b * block_size, end = std::min(block_size, span - first);
         for (int64_t j = 0; j < end; ++j)
           load_row(v_ptr + (block * block_size + j) * slot_stride + h0 * head_dim, &tile[j * width], width);
-        for (int64_t r = 0; r < nq; ++r)
-          accumulate_rows(&acc[r * head_dim], &scores[r * visible + b * block_size], &tile[r / group * head_dim],
-                          width, end, head_dim);
+        for (int64_t i = std::max<int64_t>(0, first - c.pos0); i < c.len; ++i) {
+          const int64_t n = std::min(end, c.pos0 + i + 1 - first);  // positions of this block row i sees
+          for (int64_t r = 0; r < nq; ++r) {
+            const int64_t v = i * nq + r;
+            accumulate_rows(&acc[v * head_dim], &scores[v * span + first], &tile[r / group * head_dim], width, n,
+                            head_dim);
+          }
+        }
       }
-      T* o = out_ptr + t * out_stride + h0 * group * head_dim;
-      for (int64_t r = 0; r < nq; ++r)
-        for (int64_t d = 0; d < head_dim; ++d) o[r * head_dim + d] = static_cast<T>(acc[r * head_dim + d] * inv_sum[r]);
+      for (int64_t i = 0; i < c.len; ++i) {
+        T* o = out_ptr + (c.row0 + i) * out_stride + h0 * group * head_dim;
+        for (int64_t r = 0; r < nq; ++r) {
+          const int64_t v = i * nq + r;
+          for (int64_t d = 0; d < head_dim; ++d) o[r * head_dim + d] = static_cast<T>(acc[v * head_dim + d] * inv_sum[v]);
+        }
+      }
     }
   }
   TORCH_CHECK(!bad.load(), "block table entry ", bad_block.load(), " is outside the cache (", num_blocks,
@@ -288,8 +390,8 @@ void paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t max_ctx = block_tables.size(1) * k_cache.size(1);
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() && out.scalar_type() == query.scalar_type(),
               "out must be a contiguous tensor shaped and typed like query");
-  std::vector<int64_t> seq_of_token, pos_of_token, row_of_token;
-  seq_of_token.reserve(num_tokens), pos_of_token.reserve(num_tokens), row_of_token.reserve(num_tokens);
+  std::vector<RowChunk> chunks;
+  chunks.reserve(num_tokens);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = start[s + 1] - start[s];
     TORCH_CHECK(q_len >= 0 && q_len <= ctx[s], "sequence ", s, ": ", q_len, " queries but context length ",
@@ -298,16 +400,12 @@ void paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor
                 max_ctx, " positions)");
     const int64_t pairs = q_len * ctx[s] - q_len * (q_len - 1) / 2;
     if (max_pairs >= 0 && q_len > 1 && pairs > max_pairs) continue;
-    for (int64_t i = 0; i < q_len; ++i) {
-      seq_of_token.push_back(s);
-      pos_of_token.push_back(ctx[s] - q_len + i);
-      row_of_token.push_back(start[s] + i);
-    }
+    for (int64_t i = 0; i < q_len; i += kChunkRows)
+      chunks.push_back({s, start[s] + i, ctx[s] - q_len + i, std::min(kChunkRows, q_len - i)});
   }
-  if (row_of_token.empty()) return;
+  if (chunks.empty()) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    paged_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, seq_of_token, pos_of_token,
-                                   row_of_token, scale, out);
+    paged_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, chunks, scale, out);
   });
 }
 

@@ -45,13 +45,12 @@ SOURCE = Path(__file__).resolve().parent / "cpu_ops.cpp"
 # RoPE); the kernels are bound by memory traffic, not by the extra add.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 # A sequence of several queries with more query-key pairs than this in a step goes through dense SDPA
-# (reference.prefill_sequence): whole prompts and chunks of a few hundred tokens, the tail of a long
-# prefix-cached prompt. The paged kernel takes the rest, decodes always (batched in one call). Measured on
-# a 2-core AVX-512 machine, bf16, SmolLM2 shapes (9 query heads of 64 over 3 kv heads), per layer: the
-# kernel costs about 50 ns per pair, SDPA about 0.2 ms per sequence plus 30 ns per pair; a 128-token
-# prompt 0.46 against 0.53 ms, a 275-token one 2.06 against 1.54 ms, 32 tokens after 500 cached 0.78
-# against 0.58 ms.
-SDPA_MIN_PAIRS = 10_000
+# (reference.prefill_sequence): long prompts, whose K/V blocks the paged kernel would read once per
+# eight rows. The paged kernel takes the rest, decodes always (batched in one call). Measured on a
+# 2-core AVX-512 machine, bf16, SmolLM2 shapes (9 query heads of 64 over 3 kv heads), per layer, kernel
+# against SDPA: whole prompts of 275 tokens 1.5 / 2.1 ms, 500: 4.9 / 7.0 ms, 1000: 21 / 13 ms; 32 tokens
+# after 1000 cached 1.4 / 1.5 ms, after 2000 2.8 / 2.5 ms.
+SDPA_MIN_PAIRS = 200_000
 
 
 def _cpu_tag() -> str:
