@@ -390,6 +390,7 @@ void paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t max_ctx = block_tables.size(1) * k_cache.size(1);
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() && out.scalar_type() == query.scalar_type(),
               "out must be a contiguous tensor shaped and typed like query");
+  const int64_t threads = std::max(1, at::get_num_threads());
   std::vector<RowChunk> chunks;
   chunks.reserve(num_tokens);
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -400,8 +401,14 @@ void paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor
                 max_ctx, " positions)");
     const int64_t pairs = q_len * ctx[s] - q_len * (q_len - 1) / 2;
     if (max_pairs >= 0 && q_len > 1 && pairs > max_pairs) continue;
-    for (int64_t i = 0; i < q_len; i += kChunkRows)
-      chunks.push_back({s, start[s] + i, ctx[s] - q_len + i, std::min(kChunkRows, q_len - i)});
+    if (q_len == 0) continue;
+    // Chunks of at most kChunkRows rows, as many as a multiple of the threads when there are enough rows,
+    // and as even as possible: 20 rows on 2 threads are 4 chunks of 5, not 8, 8 and 4.
+    int64_t num_row_chunks = (q_len + kChunkRows - 1) / kChunkRows;
+    if (q_len >= threads) num_row_chunks = (num_row_chunks + threads - 1) / threads * threads;
+    const int64_t rows = (q_len + num_row_chunks - 1) / num_row_chunks;
+    for (int64_t i = 0; i < q_len; i += rows)
+      chunks.push_back({s, start[s] + i, ctx[s] - q_len + i, std::min(rows, q_len - i)});
   }
   if (chunks.empty()) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
