@@ -37,10 +37,12 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/clang-format --dry-run --Werror kernels/*.cpp
 
 format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+	$(BIN)/clang-format -i kernels/*.cpp
 
 # Regenerate the committed gRPC stubs after editing proto/*.proto.
 proto: install

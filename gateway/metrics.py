@@ -114,6 +114,23 @@ class EngineStatsCollector(Collector):
             for w in s.workers:
                 healthy.add_metric([w.worker_id], 1.0 if w.healthy else 0.0)
             yield healthy
+            # Per worker, so a load generator can tell how much of the time a worker waited for plans.
+            per_worker = {
+                "worker_steps": ("Steps the worker executed.", lambda w: w.num_steps),
+                "worker_step_seconds": (
+                    "Seconds of forward pass and sampling.",
+                    lambda w: w.mean_step_seconds * w.num_steps,
+                ),
+                "worker_idle_seconds": (
+                    "Seconds the worker waited for its next plan after finishing one.",
+                    lambda w: w.mean_idle_seconds * w.num_steps,
+                ),
+            }
+            for base, (doc, value) in per_worker.items():
+                family = CounterMetricFamily(f"pagedserve:{base}", doc, labels=["worker_id"])
+                for w in s.workers:
+                    family.add_metric([w.worker_id], value(w))
+                yield family
 
 
 def _le(bound: float) -> str:

@@ -17,16 +17,18 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-// NOTE: where the build targets AVX-512 (-march=native on such a CPU), dot and exp are written with its
-// intrinsics: GCC vectorises the plain loops below but ends every dot product with sixteen dependent
-// scalar adds (the reduction order it must keep) and leaves the exp polynomial scalar, which together
-// cost more than everything else in attention. The plain loops are the portable definition.
+// NOTE: where the build targets AVX-512 (-march=native on such a CPU), the inner loops of attention
+// (dot products, exp, the softmax sums, the weighted sum of V rows) are written with its intrinsics. GCC
+// vectorises the plain loops but ends every reduction with sixteen dependent scalar adds (the order it
+// must keep) and leaves the exp polynomial scalar, which together cost more than everything else in
+// attention. The plain loops are the portable definition.
 
 namespace {
 
@@ -75,7 +77,8 @@ inline void exp_inplace(float* x, int64_t n) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
     const __mmask16 underflow = _mm512_cmp_ps_mask(in, lo, _CMP_LT_OQ);
-    _mm512_storeu_ps(x + start, _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, k)));
+    _mm512_storeu_ps(x + start,
+                     _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, k)));
   }
 #endif
 #pragma omp simd
@@ -106,12 +109,35 @@ inline float round_to(float x) {
 
 void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim]");
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache ", v_cache.sizes(), " != k_cache ", k_cache.sizes());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache ", v_cache.sizes(), " != k_cache ",
+              k_cache.sizes());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k_cache and v_cache differ in dtype");
 }
 
 // ---- paged attention ------------------------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+// Calls f(std::integral_constant<int, size / 16>) for the head sizes the AVX-512 loops are instantiated
+// for (so their registers are a fixed array); false for any other size.
+template <typename F>
+inline bool with_head_chunks(int64_t size, F&& f) {
+  switch (size) {
+    case 64:
+      return f(std::integral_constant<int, 4>{}), true;
+    case 80:
+      return f(std::integral_constant<int, 5>{}), true;
+    case 96:
+      return f(std::integral_constant<int, 6>{}), true;
+    case 128:
+      return f(std::integral_constant<int, 8>{}), true;
+    case 256:
+      return f(std::integral_constant<int, 16>{}), true;
+    default:
+      return false;
+  }
+}
+#endif
 
 // out[j] = dot(q, rows + j * stride) for j < n: the scores of one query against a block's K rows.
 #if defined(__AVX512F__)
@@ -120,10 +146,12 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 inline __m512 sum_lanes16(const __m512* v) {
   __m512 t[8], u[4], w[2];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    t[i] =
+        _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane sums of 4 vectors
     const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    u[i] =
+        _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
   for (int i = 0; i < 2; ++i)  // 128-bit lanes (0+1, 2+3) of two such
     w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
@@ -153,16 +181,12 @@ inline void block_scores_avx512(const float* q, const float* rows, int64_t strid
 }
 #endif
 
-inline void block_scores(const float* q, const float* rows, int64_t stride, int64_t n, int64_t size, float* out) {
+inline void block_scores(const float* q, const float* rows, int64_t stride, int64_t n, int64_t size,
+                         float* out) {
 #if defined(__AVX512F__)
-  switch (size) {
-    case 64: return block_scores_avx512<4>(q, rows, stride, n, out);
-    case 80: return block_scores_avx512<5>(q, rows, stride, n, out);
-    case 96: return block_scores_avx512<6>(q, rows, stride, n, out);
-    case 128: return block_scores_avx512<8>(q, rows, stride, n, out);
-    case 256: return block_scores_avx512<16>(q, rows, stride, n, out);
-    default: break;
-  }
+  if (with_head_chunks(
+          size, [&](auto chunks) { block_scores_avx512<decltype(chunks)::value>(q, rows, stride, n, out); }))
+    return;
 #endif
   for (int64_t j = 0; j < n; ++j) out[j] = dot(q, rows + j * stride, size);
 }
@@ -209,22 +233,20 @@ inline void accumulate_rows_avx512(float* acc, const float* w, const float* rows
   }
   if (j < n) {
     const __m512 w0 = _mm512_set1_ps(w[j]);
-    for (int c = 0; c < kChunks; ++c) a[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(rows + j * stride + 16 * c), a[c]);
+    for (int c = 0; c < kChunks; ++c)
+      a[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(rows + j * stride + 16 * c), a[c]);
   }
   for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + 16 * c, _mm512_add_ps(a[c], b[c]));
 }
 #endif
 
-inline void accumulate_rows(float* acc, const float* w, const float* rows, int64_t stride, int64_t n, int64_t size) {
+inline void accumulate_rows(float* acc, const float* w, const float* rows, int64_t stride, int64_t n,
+                            int64_t size) {
 #if defined(__AVX512F__)
-  switch (size) {
-    case 64: return accumulate_rows_avx512<4>(acc, w, rows, stride, n);
-    case 80: return accumulate_rows_avx512<5>(acc, w, rows, stride, n);
-    case 96: return accumulate_rows_avx512<6>(acc, w, rows, stride, n);
-    case 128: return accumulate_rows_avx512<8>(acc, w, rows, stride, n);
-    case 256: return accumulate_rows_avx512<16>(acc, w, rows, stride, n);
-    default: break;
-  }
+  if (with_head_chunks(size, [&](auto chunks) {
+        accumulate_rows_avx512<decltype(chunks)::value>(acc, w, rows, stride, n);
+      }))
+    return;
 #endif
   for (int64_t j = 0; j < n; ++j) {
     const float wj = w[j];
@@ -283,8 +305,8 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, num_tasks)))
   {
     const int64_t max_q = kChunkRows * heads_per_task * group;  // query vectors of one task
-    std::vector<float> q(max_q * head_dim), tile(block_size * heads_per_task * head_dim), acc(max_q * head_dim),
-        inv_sum(max_q), scores;
+    std::vector<float> q(max_q * head_dim), tile(block_size * heads_per_task * head_dim),
+        acc(max_q * head_dim), inv_sum(max_q), scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
       const RowChunk& c = chunks[task / splits];
@@ -296,7 +318,8 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       // Vector v = i * nq + r is row i's query head h0 * group + r; its scores start at v * span.
       for (int64_t i = 0; i < c.len; ++i) {
         const T* q_row = q_ptr + (c.row0 + i) * q_stride + h0 * group * head_dim;
-        for (int64_t e = 0; e < nq * head_dim; ++e) q[i * nq * head_dim + e] = static_cast<float>(q_row[e]) * fscale;
+        for (int64_t e = 0; e < nq * head_dim; ++e)
+          q[i * nq * head_dim + e] = static_cast<float>(q_row[e]) * fscale;
       }
       scores.resize(c.len * nq * span);
 
@@ -316,7 +339,8 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
           const int64_t n = std::min(end, c.pos0 + i + 1 - first);  // positions of this block row i sees
           for (int64_t r = 0; r < nq; ++r) {
             const int64_t v = i * nq + r;
-            block_scores(&q[v * head_dim], &tile[r / group * head_dim], width, n, head_dim, &scores[v * span + first]);
+            block_scores(&q[v * head_dim], &tile[r / group * head_dim], width, n, head_dim,
+                         &scores[v * span + first]);
           }
         }
       }
@@ -339,8 +363,8 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
           const int64_t n = std::min(end, c.pos0 + i + 1 - first);  // positions of this block row i sees
           for (int64_t r = 0; r < nq; ++r) {
             const int64_t v = i * nq + r;
-            accumulate_rows(&acc[v * head_dim], &scores[v * span + first], &tile[r / group * head_dim], width, n,
-                            head_dim);
+            accumulate_rows(&acc[v * head_dim], &scores[v * span + first], &tile[r / group * head_dim], width,
+                            n, head_dim);
           }
         }
       }
@@ -348,7 +372,8 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         T* o = out_ptr + (c.row0 + i) * out_stride + h0 * group * head_dim;
         for (int64_t r = 0; r < nq; ++r) {
           const int64_t v = i * nq + r;
-          for (int64_t d = 0; d < head_dim; ++d) o[r * head_dim + d] = static_cast<T>(acc[v * head_dim + d] * inv_sum[v]);
+          for (int64_t d = 0; d < head_dim; ++d)
+            o[r * head_dim + d] = static_cast<T>(acc[v * head_dim + d] * inv_sum[v]);
         }
       }
     }
@@ -363,9 +388,10 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 // position p attends to positions 0 .. p. Decode is the case of one row per sequence. Writes the rows of
 // out [T, Hq, D] of every sequence except those with several queries and more than max_pairs
 // query-key pairs (none when max_pairs is negative), which are left to the caller.
-void paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& context_lens, double scale, int64_t max_pairs) {
+void paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                      const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale,
+                      int64_t max_pairs) {
   check_cache(k_cache, v_cache);
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [num_tokens, num_heads, head_dim] with contiguous heads");
@@ -375,8 +401,9 @@ void paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor
               k_cache.size(3));
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads ", query.size(1),
               " is not a multiple of num_kv_heads ", k_cache.size(2));
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
-              "block_tables must be int32 [num_seqs, max_blocks]");
+  TORCH_CHECK(
+      block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
+      "block_tables must be int32 [num_seqs, max_blocks]");
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "query_start_loc and context_lens must be int32");
   const int64_t num_seqs = context_lens.numel(), num_tokens = query.size(0);
@@ -430,10 +457,12 @@ void rms_norm_impl(T* x, int64_t x_stride, const T* delta, int64_t delta_stride,
       T* xr = x + r * x_stride;
       if (delta != nullptr) {
         const T* dr = delta + r * delta_stride;
-        for (int64_t i = 0; i < size; ++i) xr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(dr[i]));
+        for (int64_t i = 0; i < size; ++i)
+          xr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(dr[i]));
       }
       load_row(xr, v.data(), size);
-      const float inv = 1.f / std::sqrt(dot(v.data(), v.data(), size) / static_cast<float>(size) + static_cast<float>(eps));
+      const float inv =
+          1.f / std::sqrt(dot(v.data(), v.data(), size) / static_cast<float>(size) + static_cast<float>(eps));
       T* o = out + r * out_stride;
       for (int64_t i = 0; i < size; ++i) o[i] = static_cast<T>(w[i] * round_to<T>(v[i] * inv));
     }
@@ -444,7 +473,8 @@ at::Tensor rms_norm_any(const at::Tensor& x, const c10::optional<at::Tensor>& de
                         double eps) {
   TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1, "x must have a contiguous last dimension");
   const int64_t size = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == size && weight.is_contiguous(), "weight must be [", size, "]");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == size && weight.is_contiguous(), "weight must be [", size,
+              "]");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x differ in dtype");
   // In place, x must be viewable as rows (view fails clearly otherwise); else any layout will do.
   at::Tensor rows = delta.has_value() ? x.view({-1, size}) : x.reshape({-1, size});
@@ -456,9 +486,10 @@ at::Tensor rms_norm_any(const at::Tensor& x, const c10::optional<at::Tensor>& de
   }
   at::Tensor out = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_impl<scalar_t>(rows.data_ptr<scalar_t>(), rows.stride(0), d.defined() ? d.data_ptr<scalar_t>() : nullptr,
-                            d.defined() ? d.stride(0) : 0, weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), size,
-                            rows.size(0), size, eps);
+    rms_norm_impl<scalar_t>(rows.data_ptr<scalar_t>(), rows.stride(0),
+                            d.defined() ? d.data_ptr<scalar_t>() : nullptr, d.defined() ? d.stride(0) : 0,
+                            weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), size, rows.size(0), size,
+                            eps);
   });
   return out;
 }
@@ -523,7 +554,8 @@ void rotary_write_kv_(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos
   check_cache(k_cache, v_cache);
   TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2),
               "qk must be [num_tokens, heads, head_dim] with contiguous heads");
-  TORCH_CHECK(v.dim() == 3 && v.stride(2) == 1 && v.stride(1) == v.size(2), "v must be [num_tokens, kv_heads, head_dim] with contiguous heads");
+  TORCH_CHECK(v.dim() == 3 && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "v must be [num_tokens, kv_heads, head_dim] with contiguous heads");
   TORCH_CHECK(v.size(0) == qk.size(0) && v.size(1) == k_cache.size(2) && v.size(2) == k_cache.size(3) &&
                   qk.size(2) == k_cache.size(3) && qk.size(1) > v.size(1),
               "qk ", qk.sizes(), ", v ", v.sizes(), " and the cache ", k_cache.sizes(), " disagree");
@@ -533,7 +565,8 @@ void rotary_write_kv_(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos
   TORCH_CHECK(cos.size(0) == qk.size(0) && cos.size(-1) == qk.size(2) && cos.stride(-1) == 1 &&
                   sin.sizes() == cos.sizes() && sin.stride(-1) == 1,
               "cos and sin must be [num_tokens, 1, head_dim]");
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == qk.size(0), "slot_mapping must be [num_tokens]");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == qk.size(0),
+              "slot_mapping must be [num_tokens]");
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qk.scalar_type(), "rotary_write_kv", [&] {
     rotary_write_kv_impl<scalar_t>(qk, v, cos, sin, k_cache, v_cache, slots);
@@ -544,7 +577,8 @@ void rotary_write_kv_(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pagedserve CPU kernels: paged attention and fused decoder ops";
-  m.def("paged_attention_", &paged_attention_, "Causal attention of a flat token batch over the paged KV cache");
+  m.def("paged_attention_", &paged_attention_,
+        "Causal attention of a flat token batch over the paged KV cache");
   m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of x");
   m.def("rotary_write_kv_", &rotary_write_kv_, "RoPE on q and k in place, then k and v into the cache");

@@ -3,7 +3,8 @@
 The extension is compiled with torch.utils.cpp_extension (g++ and ninja, about 30 s) with -march=native,
 once per machine and source version, into torch's extension cache (TORCH_EXTENSIONS_DIR, by default
 ~/.cache/torch_extensions; `make install` builds it ahead of time). The build is named after this CPU's
-feature flags, so a cache shared with a different CPU never loads code built for another instruction set.
+feature flags and the source (`build_name`), so a cache shared with another CPU or another checkout
+never loads code built for a different instruction set or source.
 
 What it replaces, and why: in stock PyTorch, attention gathers every sequence's K/V into dense tensors
 and widens them to float32 before two small batched matmuls, and each decoder layer runs about ninety
@@ -53,15 +54,17 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 SDPA_MIN_PAIRS = 200_000
 
 
-def _cpu_tag() -> str:
-    """A short hash of this CPU's model and feature flags (Linux), else of torch's CPU capability."""
+def build_name() -> str:
+    """The extension's name: a short hash of this CPU's model and feature flags (Linux; else torch's CPU
+    capability), of the source and of the flags. Two checkouts or two CPUs sharing one extension cache
+    never load each other's build."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        wanted = [line for line in lines if line.startswith(("flags", "model name"))][:2]
+        cpu = "\n".join([line for line in lines if line.startswith(("flags", "model name"))][:2])
     except OSError:
-        wanted = []
-    key = "\n".join(wanted) or torch.backends.cpu.get_cpu_capability()
-    return hashlib.sha256(key.encode()).hexdigest()[:10]
+        cpu = ""
+    key = "\0".join([cpu or torch.backends.cpu.get_cpu_capability(), SOURCE.read_text(), *CFLAGS])
+    return f"pagedserve_cpu_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 @functools.cache
@@ -73,7 +76,7 @@ def load() -> ModuleType:
     from pagedserve.logging import get_logger
 
     log = get_logger(__name__)
-    name = f"pagedserve_cpu_{_cpu_tag()}"
+    name = build_name()
     started = time.monotonic()
     log.info("cpu_kernels_loading", name=name, note="compiled once per machine, about 30 s the first time")
     module = cpp_extension.load(

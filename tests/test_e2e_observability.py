@@ -163,3 +163,26 @@ def test_waiting_running_and_preemptions_show_in_metrics(stack: Stack):
     assert len({r.choices[0].text for r in results}) == 1
     assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
     assert after["vllm:kv_cache_usage_perc"] == 0
+
+
+def test_bench_serve_prints_how_long_the_worker_waited_between_steps(
+    stack: Stack, default_model_dir, tmp_path, capsys
+):
+    from pagedserve.bench import main as bench_main
+
+    stack.wait_idle()
+    before = stack.scrape()
+    code = bench_main(
+        ["serve", "--base-url", stack.http_url, "--tokenizer", str(default_model_dir),
+         "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "8",
+         "--num-prompts", "2", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
+         "--result-filename", "run.json"]
+    )  # fmt: skip
+    assert code == 0
+    assert "worker idle between steps:" in capsys.readouterr().out
+    worker = json.loads((tmp_path / "run.json").read_text())["passes"][0]["worker"]
+    # Two requests of 8 tokens take at least 8 steps; the counters behind it are /metrics' own.
+    assert worker["steps"] >= 8 and worker["step_seconds"] > 0 and worker["idle_seconds"] >= 0
+    after = stack.scrape()
+    steps = [k for k in after if k.startswith("pagedserve:worker_steps_total[worker_id=")]
+    assert steps and sum(after[k] - before.get(k, 0.0) for k in steps) >= worker["steps"]

@@ -34,6 +34,16 @@ def _built() -> bool:
 pytestmark = pytest.mark.skipif(not _built(), reason="the C++ CPU kernels cannot be built here")
 
 
+def test_the_build_is_named_after_the_source(tmp_path, monkeypatch):
+    # Two checkouts sharing one extension cache must not load each other's build.
+    name = cpu_ops.build_name()
+    assert name.startswith("pagedserve_cpu_") and name == cpu_ops.build_name()
+    changed = tmp_path / "cpu_ops.cpp"
+    changed.write_text(cpu_ops.SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(cpu_ops, "SOURCE", changed)
+    assert cpu_ops.build_name() != name
+
+
 # ---- attention ------------------------------------------------------------------------------------------
 
 

@@ -61,6 +61,7 @@ def result_dict(result: PassResult) -> dict[str, Any]:
     return {
         "load": load,
         "metrics": result.metrics.to_dict(),
+        "worker": asdict(result.worker) if result.worker is not None else None,
         "requests": [
             {
                 "prompt_len": r.prompt_len,

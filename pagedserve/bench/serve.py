@@ -43,11 +43,65 @@ class LoadConfig:
 
 
 @dataclass(slots=True)
+class WorkerTime:
+    """Worker steps and their time, summed over workers (pagedserve's /metrics counters)."""
+
+    steps: float = 0.0
+    step_seconds: float = 0.0  # forward pass and sampling
+    idle_seconds: float = 0.0  # waiting for the next plan after finishing one
+
+    def __sub__(self, other: WorkerTime) -> WorkerTime:
+        return WorkerTime(
+            self.steps - other.steps,
+            self.step_seconds - other.step_seconds,
+            self.idle_seconds - other.idle_seconds,
+        )
+
+    def describe(self) -> str:
+        if self.steps <= 0:
+            return "worker idle between steps: no steps"
+        step_ms, idle_ms = self.step_seconds / self.steps * 1e3, self.idle_seconds / self.steps * 1e3
+        return (
+            f"worker idle between steps: {idle_ms:.2f} ms per step against {step_ms:.1f} ms steps "
+            f"({idle_ms / step_ms:.1%} of the step time; {self.steps:.0f} steps)"
+        )
+
+
+@dataclass(slots=True)
 class PassResult:
     load: LoadConfig  # how the requests were sent
     results: list[RequestResult]  # one per request, in dataset order
     duration: float  # s, first request sent -> last request finished
     metrics: BenchmarkMetrics
+    worker: WorkerTime | None = None  # during the pass; None when the server exposes no such counters
+
+
+def scrape_worker_time(base_url: str, api_key: str | None = None) -> WorkerTime | None:
+    """The pagedserve:worker_* counters of the server's /metrics; None for a server without them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{base_url}/metrics", headers=headers, timeout=10.0)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    fields = {
+        "pagedserve:worker_steps": "steps",
+        "pagedserve:worker_step_seconds": "step_seconds",
+        "pagedserve:worker_idle_seconds": "idle_seconds",
+    }
+    found, total = False, WorkerTime()
+    for family in text_string_to_metric_families(response.text):
+        field = fields.get(family.name)
+        if field is None:
+            continue
+        found = True
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                setattr(total, field, getattr(total, field) + sample.value)
+    return total if found else None
 
 
 def arrival_times(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
@@ -283,8 +337,13 @@ def run(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             show_progress=not args.disable_tqdm,
         )
+        before = scrape_worker_time(base_url, args.api_key)
         result = asyncio.run(run_pass(spec, requests, load, tokenizer, percentiles))
+        after = scrape_worker_time(base_url, args.api_key) if before is not None else None
+        result.worker = after - before if after is not None else None
         print(report.format_table(result.metrics, load, percentiles))
+        if result.worker is not None:
+            print(result.worker.describe())
         passes.append(result)
 
     if args.save_result:
