@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 # The decoder's small pointwise ops run as PyTorch ops on the GPU.
-from pagedserve.kernels.reference import add_rms_norm_, rms_norm, rotary_write_kv_, silu_mul
+from pagedserve.kernels.reference import add_rms_norm_, rms_norm, rotate_, silu_mul
 
 __all__ = [
     "add_rms_norm_",
@@ -380,6 +380,20 @@ def write_kv(
         np.int64(value.stride(0) * elsize // unit),
     )
     _launch(device, write_kv_entry(unit), (num_tokens,), (128,), args)
+
+
+def rotary_write_kv_(
+    qk: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """RoPE in place (PyTorch ops), then the keys and values into the cache with the write_kv kernel."""
+    rotate_(qk, cos, sin)
+    write_kv(qk[:, qk.shape[1] - value.shape[1] :], value, k_cache, v_cache, slot_mapping)
 
 
 def _independent_waves(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:

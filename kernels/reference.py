@@ -288,14 +288,19 @@ def rotary_write_kv_(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Neox (rotate-half) RoPE on the query and key heads of qk [T, Hq + Hkv, D] in place, then the rotated
-    keys (qk's last Hkv heads) and value [T, Hkv, D] written into the cache at slot_mapping.
+    """Neox (rotate-half) RoPE on the query and key heads of qk [T, Hq + Hkv, D] in place (see rotate_),
+    then the rotated keys (qk's last Hkv heads) and value [T, Hkv, D] written into the cache at
+    slot_mapping."""
+    rotate_(qk, cos, sin)
+    write_kv(qk[:, qk.shape[1] - value.shape[1] :], value, k_cache, v_cache, slot_mapping)
 
-    cos and sin are [T, 1, D] rows of (cos, cos) and (-sin, sin): x * cos + (x2, x1) * sin computes
-    (x1 cos - x2 sin, x2 cos + x1 sin) with the same products and sums, so bitwise like HF's form."""
+
+def rotate_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Neox RoPE in place on heads [T, H, D]. cos and sin are [T, 1, D] rows of (cos, cos) and
+    (-sin, sin): x * cos + (x2, x1) * sin computes (x1 cos - x2 sin, x2 cos + x1 sin) with the same
+    products and sums, so bitwise like HF's form."""
     x1, x2 = qk.chunk(2, dim=-1)
     qk.copy_(torch.cat((x2, x1), dim=-1).mul_(sin).add_(qk * cos))
-    write_kv(qk[:, qk.shape[1] - value.shape[1] :], value, k_cache, v_cache, slot_mapping)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -324,7 +324,9 @@ def test_get_ops_on_cpu_is_the_built_kernels_unless_switched_off(monkeypatch, fr
     assert get_ops(torch.device("cpu")) is cpu_ops
     monkeypatch.setenv(CPU_KERNELS_ENV, "off")
     assert get_ops(torch.device("cpu")) is reference
-    for ops in (cpu_ops, reference):
+    from pagedserve.kernels import cuda_ops  # imports without CuPy or a GPU
+
+    for ops in (cpu_ops, cuda_ops, reference):
         for name in OPS:
             assert callable(getattr(ops, name)), (ops, name)
 
