@@ -46,12 +46,12 @@ SOURCE = Path(__file__).resolve().parent / "cpu_ops.cpp"
 # RoPE); the kernels are bound by memory traffic, not by the extra add.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 # A sequence of several queries with more query-key pairs than this in a step goes through dense SDPA
-# (reference.prefill_sequence): long prompts, whose K/V blocks the paged kernel would read once per
+# (reference.prefill_sequence): very long prompts, whose K/V blocks the paged kernel reads once per
 # eight rows. The paged kernel takes the rest, decodes always (batched in one call). Measured on a
 # 2-core AVX-512 machine, bf16, SmolLM2 shapes (9 query heads of 64 over 3 kv heads), per layer, kernel
-# against SDPA: whole prompts of 275 tokens 1.5 / 2.1 ms, 500: 4.9 / 7.0 ms, 1000: 21 / 13 ms; 32 tokens
-# after 1000 cached 1.4 / 1.5 ms, after 2000 2.8 / 2.5 ms.
-SDPA_MIN_PAIRS = 200_000
+# against SDPA: whole prompts of 275 tokens 1.2 / 1.8 ms, 500: 3.0 / 5.6 ms, 1000: 12.1 / 14.4 ms,
+# 2000: 45.8 / 39.5 ms; 32 tokens after 2000 cached 1.7 / 1.9 ms.
+SDPA_MIN_PAIRS = 1_000_000
 
 
 def build_name() -> str:
