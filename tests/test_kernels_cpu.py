@@ -79,6 +79,34 @@ def test_mixed_prefill_batch_matches_per_token_oracle(
     assert_matches_oracle(out, oracle(query, case, q_lens, scale), dtype)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_any_thread_count_gives_the_same_rows(threads):
+    # Heads are split over threads only when there are fewer row chunks than threads; the rows of a
+    # sequence are chunked by the thread count: neither may change a result.
+    case = Case([70, 3, 33], 16, 3, 64, torch.bfloat16, seed=5)
+    q_lens = [21, 1, 2]
+    query = torch.randn(sum(q_lens), 9, 64, generator=case.gen).bfloat16()
+    starts = torch.tensor([0, 21, 22, 24], dtype=torch.int32)
+    args = (query, case.k_cache, case.v_cache, case.block_tables, starts, case.context_lens, 0.125)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = cpu_ops.paged_prefill_attention(*args)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(out, cpu_ops.paged_prefill_attention(*args))
+    assert_matches_oracle(out, oracle(query, case, q_lens, 0.125), torch.bfloat16)
+
+
+def test_float16_is_computed_in_float32_too():
+    case = Case([40, 17], 8, 2, 64, torch.float16, seed=6)
+    query = torch.randn(2, 4, 64, generator=case.gen).half()
+    args = (case.block_tables, case.context_lens, 0.125)
+    out = cpu_ops.paged_decode_attention(query, case.k_cache, case.v_cache, *args)
+    out32 = cpu_ops.paged_decode_attention(query.float(), case.k_cache.float(), case.v_cache.float(), *args)
+    assert out.dtype == torch.float16 and torch.equal(out, out32.half())
+
+
 def test_a_query_that_is_a_strided_view_is_read_in_place():
     # The model hands the kernel q as a view into the fused qkv projection's output.
     case = Case([30, 5], 8, 2, 64, torch.float32, seed=1)
