@@ -79,6 +79,23 @@ def test_mixed_prefill_batch_matches_per_token_oracle(
     assert_matches_oracle(out, oracle(query, case, q_lens, scale), dtype)
 
 
+@pytest.mark.parametrize("threads", [2, 5])
+@pytest.mark.parametrize("ctx", [1, 15, 16, 17, 100, 700])
+def test_a_lone_decode_row_on_more_threads_than_rows_matches_oracle(ctx, threads):
+    # Fewer rows than threads: the kv heads are split over the threads (some get none).
+    case = Case([ctx], 16, 3, 64, torch.bfloat16, seed=ctx)
+    query = torch.randn(1, 9, 64, generator=case.gen).bfloat16()
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = cpu_ops.paged_decode_attention(
+            query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125
+        )
+    finally:
+        torch.set_num_threads(previous)
+    assert_matches_oracle(out, oracle(query, case, [1], 0.125), torch.bfloat16)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_any_thread_count_gives_the_same_rows(threads):
     # Heads are split over threads only when there are fewer row chunks than threads; the rows of a
