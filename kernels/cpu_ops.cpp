@@ -323,28 +323,34 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       }
       scores.resize(c.len * nq * span);
 
-      for (int64_t b = 0; b < used_blocks; ++b) {
-        const int64_t block = table[b];
-        if (block < 0 || block >= num_blocks || b >= table_width) {
-          bad_block.store(block);
-          bad.store(true);
-          break;
-        }
-        if (b + 1 < used_blocks && table[b + 1] >= 0 && table[b + 1] < num_blocks)
-          prefetch(k_ptr + table[b + 1] * block_size * slot_stride, block_bytes);
-        const int64_t first = b * block_size, end = std::min(block_size, span - first);
-        for (int64_t j = 0; j < end; ++j)
-          load_row(k_ptr + (block * block_size + j) * slot_stride + h0 * head_dim, &tile[j * width], width);
-        for (int64_t i = std::max<int64_t>(0, first - c.pos0); i < c.len; ++i) {
-          const int64_t n = std::min(end, c.pos0 + i + 1 - first);  // positions of this block row i sees
-          for (int64_t r = 0; r < nq; ++r) {
-            const int64_t v = i * nq + r;
-            block_scores(&q[v * head_dim], &tile[r / group * head_dim], width, n, head_dim,
-                         &scores[v * span + first]);
+      // Walks the blocks of one cache: widens each block's rows of heads h0 .. h1 into tile (while the
+      // next block is prefetched), then calls visit(v, rows, first, n) for every query vector v of every
+      // row that sees n > 0 of the block's positions (rows: that vector's kv head in the tile, first:
+      // the block's first position). False at a block id outside the cache.
+      const auto walk = [&](const T* cache, auto&& visit) {
+        for (int64_t b = 0; b < used_blocks; ++b) {
+          const int64_t block = table[b];
+          if (block < 0 || block >= num_blocks || b >= table_width) {
+            bad_block.store(block);
+            bad.store(true);
+            return false;
+          }
+          if (b + 1 < used_blocks && table[b + 1] >= 0 && table[b + 1] < num_blocks)
+            prefetch(cache + table[b + 1] * block_size * slot_stride, block_bytes);
+          const int64_t first = b * block_size, end = std::min(block_size, span - first);
+          for (int64_t j = 0; j < end; ++j)
+            load_row(cache + (block * block_size + j) * slot_stride + h0 * head_dim, &tile[j * width], width);
+          for (int64_t i = std::max<int64_t>(0, first - c.pos0); i < c.len; ++i) {
+            const int64_t n = std::min(end, c.pos0 + i + 1 - first);  // positions of this block row i sees
+            for (int64_t r = 0; r < nq; ++r) visit(i * nq + r, &tile[r / group * head_dim], first, n);
           }
         }
-      }
-      if (bad.load()) continue;
+        return true;
+      };
+      const bool valid = walk(k_ptr, [&](int64_t v, const float* k_rows, int64_t first, int64_t n) {
+        block_scores(&q[v * head_dim], k_rows, width, n, head_dim, &scores[v * span + first]);
+      });
+      if (!valid) continue;
 
       for (int64_t i = 0; i < c.len; ++i) {
         const int64_t visible = c.pos0 + i + 1;
@@ -353,21 +359,9 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         }
       }
       std::fill(acc.begin(), acc.begin() + c.len * nq * head_dim, 0.f);
-      for (int64_t b = 0; b < used_blocks; ++b) {
-        const int64_t block = table[b];
-        if (b + 1 < used_blocks) prefetch(v_ptr + table[b + 1] * block_size * slot_stride, block_bytes);
-        const int64_t first = b * block_size, end = std::min(block_size, span - first);
-        for (int64_t j = 0; j < end; ++j)
-          load_row(v_ptr + (block * block_size + j) * slot_stride + h0 * head_dim, &tile[j * width], width);
-        for (int64_t i = std::max<int64_t>(0, first - c.pos0); i < c.len; ++i) {
-          const int64_t n = std::min(end, c.pos0 + i + 1 - first);  // positions of this block row i sees
-          for (int64_t r = 0; r < nq; ++r) {
-            const int64_t v = i * nq + r;
-            accumulate_rows(&acc[v * head_dim], &scores[v * span + first], &tile[r / group * head_dim], width,
-                            n, head_dim);
-          }
-        }
-      }
+      walk(v_ptr, [&](int64_t v, const float* v_rows, int64_t first, int64_t n) {
+        accumulate_rows(&acc[v * head_dim], &scores[v * span + first], v_rows, width, n, head_dim);
+      });
       for (int64_t i = 0; i < c.len; ++i) {
         T* o = out_ptr + (c.row0 + i) * out_stride + h0 * group * head_dim;
         for (int64_t r = 0; r < nq; ++r) {
