@@ -14,7 +14,8 @@ from test_kernels_reference import (
     PREFILL_PARAMS,
     Case,
     assert_matches_oracle,
-    context_lens_for,
+    check_decode_against_oracle,
+    check_mixed_prefill_against_oracle,
     oracle,
 )
 from test_model import FAMILIES, VOCAB, PagedCache, _hf_logits, _save_tiny_hf_model
@@ -49,13 +50,7 @@ def test_the_build_is_named_after_the_source(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), DECODE_PARAMS)
 def test_decode_attention_matches_per_token_oracle(num_kv_heads, group, head_dim, block_size, dtype):
-    case = Case(context_lens_for(block_size), block_size, num_kv_heads, head_dim, dtype, seed=group)
-    query = torch.randn(len(case.ctx_lens), num_kv_heads * group, head_dim, generator=case.gen).to(dtype)
-    scale = head_dim**-0.5
-    out = cpu_ops.paged_decode_attention(
-        query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, scale
-    )
-    assert_matches_oracle(out, oracle(query, case, [1] * len(case.ctx_lens), scale), dtype)
+    check_decode_against_oracle(cpu_ops, num_kv_heads, group, head_dim, block_size, dtype)
 
 
 @pytest.mark.parametrize("sdpa_min_pairs", [cpu_ops.SDPA_MIN_PAIRS, 40])
@@ -66,17 +61,7 @@ def test_mixed_prefill_batch_matches_per_token_oracle(
     # With a threshold of 40 pairs, the batch is split: the longer sequences go through SDPA, the rest
     # through the paged kernel, and the rows must land where they belong.
     monkeypatch.setattr(cpu_ops, "SDPA_MIN_PAIRS", sdpa_min_pairs)
-    bs = block_size
-    seqs = [(3 * bs + 5, 7), (3 * bs + 2, 1), (bs + 1, bs + 1), (1, 1), (100, 1), (bs, bs - 1), (2 * bs, 3)]
-    ctx_lens, q_lens = [c for c, _ in seqs], [q for _, q in seqs]
-    case = Case(ctx_lens, bs, num_kv_heads, head_dim, dtype, seed=7 + group, shared_prefix_blocks=3)
-    query = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=case.gen).to(dtype)
-    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    scale = head_dim**-0.5
-    out = cpu_ops.paged_prefill_attention(
-        query, case.k_cache, case.v_cache, case.block_tables, query_start_loc, case.context_lens, scale
-    )
-    assert_matches_oracle(out, oracle(query, case, q_lens, scale), dtype)
+    check_mixed_prefill_against_oracle(cpu_ops, num_kv_heads, group, head_dim, block_size, dtype)
 
 
 @pytest.mark.parametrize("threads", [2, 5])

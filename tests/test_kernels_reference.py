@@ -117,15 +117,20 @@ DECODE_PARAMS = [
 ]
 
 
-@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), DECODE_PARAMS)
-def test_decode_attention_matches_per_token_oracle(num_kv_heads, group, head_dim, block_size, dtype):
+def check_decode_against_oracle(ops, num_kv_heads, group, head_dim, block_size, dtype) -> None:
+    """ops.paged_decode_attention over sequences of context_lens_for(block_size), against the oracle."""
     case = Case(context_lens_for(block_size), block_size, num_kv_heads, head_dim, dtype, seed=group)
     query = torch.randn(len(case.ctx_lens), num_kv_heads * group, head_dim, generator=case.gen).to(dtype)
     scale = head_dim**-0.5
-    out = reference.paged_decode_attention(
+    out = ops.paged_decode_attention(
         query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, scale
     )
     assert_matches_oracle(out, oracle(query, case, [1] * len(case.ctx_lens), scale), dtype)
+
+
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), DECODE_PARAMS)
+def test_decode_attention_matches_per_token_oracle(num_kv_heads, group, head_dim, block_size, dtype):
+    check_decode_against_oracle(reference, num_kv_heads, group, head_dim, block_size, dtype)
 
 
 @pytest.mark.parametrize("gather_bytes", [1, 40_000])
@@ -177,8 +182,9 @@ PREFILL_PARAMS = [
 ]
 
 
-@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), PREFILL_PARAMS)
-def test_mixed_prefill_batch_matches_per_token_oracle(num_kv_heads, group, head_dim, block_size, dtype):
+def check_mixed_prefill_against_oracle(ops, num_kv_heads, group, head_dim, block_size, dtype) -> None:
+    """ops.paged_prefill_attention over a batch mixing decodes, whole prompts and chunks on cached
+    context, against the oracle."""
     bs = block_size
     # (context length, query length): a decode of one token, a whole fresh prompt, a chunk on top of
     # cached context, a long decode, a chunk ending one short of a block, a fork of sequence 0.
@@ -189,10 +195,15 @@ def test_mixed_prefill_batch_matches_per_token_oracle(num_kv_heads, group, head_
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=case.gen).to(dtype)
     query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     scale = head_dim**-0.5
-    out = reference.paged_prefill_attention(
+    out = ops.paged_prefill_attention(
         query, case.k_cache, case.v_cache, case.block_tables, query_start_loc, case.context_lens, scale
     )
     assert_matches_oracle(out, oracle(query, case, q_lens, scale), dtype)
+
+
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), PREFILL_PARAMS)
+def test_mixed_prefill_batch_matches_per_token_oracle(num_kv_heads, group, head_dim, block_size, dtype):
+    check_mixed_prefill_against_oracle(reference, num_kv_heads, group, head_dim, block_size, dtype)
 
 
 def test_prefill_of_single_tokens_equals_decode():

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from worker_testing import (
+    PROMPT_A,
+    PROMPT_B,
     TINY_VOCAB,
+    decode_plan,
+    first_plan,
     hf_greedy,
     load_hf,
     make_runner,
@@ -20,8 +24,6 @@ from pagedserve.worker_svc.runner import PlanError
 
 NUM_BLOCKS = 32
 BLOCK_SIZE = 4
-PROMPT_A = [5, 17, 42, 9, 77, 3]  # 6 tokens: blocks 0, 1
-PROMPT_B = [11, 23, 64, 100, 8]  # 5 tokens: blocks 2, 3
 
 
 @pytest.fixture(scope="module")
@@ -37,18 +39,6 @@ def hf_model(model_dir):
 @pytest.fixture
 def runner(model_dir):
     return make_runner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
-
-
-def first_plan() -> worker_pb2.StepPlan:
-    return plan(
-        1,
-        [(0, len(PROMPT_A), [0, 1]), (1, len(PROMPT_B), [2, 3])],
-        new_requests=[new_request(0, PROMPT_A), new_request(1, PROMPT_B)],
-    )
-
-
-def decode_plan(step_id: int) -> worker_pb2.StepPlan:
-    return plan(step_id, [(0, 1, []), (1, 1, [])])
 
 
 # ---- execution ---------------------------------------------------------------------------------

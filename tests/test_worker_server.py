@@ -9,7 +9,17 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from worker_testing import EOS, TINY_VOCAB, make_runner, new_request, plan, save_tiny_llama
+from worker_testing import (
+    EOS,
+    PROMPT_A,
+    PROMPT_B,
+    TINY_VOCAB,
+    decode_plan,
+    first_plan,
+    make_runner,
+    plan,
+    save_tiny_llama,
+)
 
 from pagedserve.grpc_utils import CHANNEL_OPTIONS, add_health_and_reflection, set_serving
 from pagedserve.proto import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -18,7 +28,6 @@ from pagedserve.worker_svc.kv_cache import KVCacheSpec, resolve_num_blocks
 from pagedserve.worker_svc.server import SERVICE_NAME, WorkerServer, load_worker
 
 NUM_BLOCKS, BLOCK_SIZE = 32, 4
-PROMPT_A, PROMPT_B = [5, 17, 42, 9, 77, 3], [11, 23, 64, 100, 8]
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +55,6 @@ async def start_worker(model_dir, **overrides) -> WorkerServer:
     server = WorkerServer(config, load_worker(config), max_register_backoff=0.5)
     await server.start()
     return server
-
-
-def first_plan() -> worker_pb2.StepPlan:
-    return plan(
-        1,
-        [(0, len(PROMPT_A), [0, 1]), (1, len(PROMPT_B), [2, 3])],
-        new_requests=[new_request(0, PROMPT_A), new_request(1, PROMPT_B)],
-    )
-
-
-def decode_plan(step_id: int) -> worker_pb2.StepPlan:
-    return plan(step_id, [(0, 1, []), (1, 1, [])])
 
 
 async def steps(

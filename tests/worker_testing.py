@@ -89,6 +89,25 @@ def plan(
     return p
 
 
+# Two prompts for block size 4: A (6 tokens) in blocks 0 and 1, B (5 tokens) in blocks 2 and 3.
+PROMPT_A = [5, 17, 42, 9, 77, 3]
+PROMPT_B = [11, 23, 64, 100, 8]
+
+
+def first_plan() -> worker_pb2.StepPlan:
+    """Step 1: A in slot 0 and B in slot 1 enter and are prefilled whole."""
+    return plan(
+        1,
+        [(0, len(PROMPT_A), [0, 1]), (1, len(PROMPT_B), [2, 3])],
+        new_requests=[new_request(0, PROMPT_A), new_request(1, PROMPT_B)],
+    )
+
+
+def decode_plan(step_id: int) -> worker_pb2.StepPlan:
+    """One decode token for slots 0 and 1, no new blocks."""
+    return plan(step_id, [(0, 1, []), (1, 1, [])])
+
+
 def snapshot(runner: ModelRunner) -> dict:
     """Everything the runner knows about its requests, comparable with ==."""
     return {
