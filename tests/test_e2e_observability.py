@@ -181,6 +181,7 @@ def test_bench_serve_prints_how_long_the_worker_waited_between_steps(
     assert code == 0
     assert "worker idle between steps:" in capsys.readouterr().out
     worker = json.loads((tmp_path / "run.json").read_text())["passes"][0]["worker"]
+    assert worker is not None, "the stack's /metrics lacks a pagedserve:worker_* counter"
     # Two requests of 8 tokens take at least 8 steps; the counters behind it are /metrics' own.
     assert worker["steps"] >= 8 and worker["step_seconds"] > 0 and worker["idle_seconds"] >= 0
     after = stack.scrape()

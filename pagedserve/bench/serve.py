@@ -77,7 +77,7 @@ class PassResult:
 
 
 def scrape_worker_time(base_url: str, api_key: str | None = None) -> WorkerTime | None:
-    """The pagedserve:worker_* counters of the server's /metrics; None for a server without them."""
+    """The pagedserve:worker_* counters of the server's /metrics; None for a server without all three."""
     from prometheus_client.parser import text_string_to_metric_families
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -92,16 +92,16 @@ def scrape_worker_time(base_url: str, api_key: str | None = None) -> WorkerTime 
         "pagedserve:worker_step_seconds": "step_seconds",
         "pagedserve:worker_idle_seconds": "idle_seconds",
     }
-    found, total = False, WorkerTime()
+    found, total = set(), WorkerTime()
     for family in text_string_to_metric_families(response.text):
         field = fields.get(family.name)
         if field is None:
             continue
-        found = True
+        found.add(field)
         for sample in family.samples:
             if sample.name.endswith("_total"):
                 setattr(total, field, getattr(total, field) + sample.value)
-    return total if found else None
+    return total if len(found) == len(fields) else None
 
 
 def arrival_times(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
