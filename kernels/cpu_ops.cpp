@@ -381,11 +381,11 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 // Sequence s owns query rows query_start_loc[s] .. query_start_loc[s + 1], its last tokens; a token at
 // position p attends to positions 0 .. p. Decode is the case of one row per sequence. Writes the rows of
 // out [T, Hq, D] of every sequence except those with several queries and more than max_pairs
-// query-key pairs (none when max_pairs is negative), which are left to the caller.
-void paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
-                      const at::Tensor& v_cache, const at::Tensor& block_tables,
-                      const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale,
-                      int64_t max_pairs) {
+// query-key pairs (none when max_pairs is negative); returns those, which are left to the caller.
+std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                                      double scale, int64_t max_pairs) {
   check_cache(k_cache, v_cache);
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [num_tokens, num_heads, head_dim] with contiguous heads");
@@ -413,6 +413,7 @@ void paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor
               "out must be a contiguous tensor shaped and typed like query");
   const int64_t threads = std::max(1, at::get_num_threads());
   std::vector<RowChunk> chunks;
+  std::vector<int64_t> skipped;
   chunks.reserve(num_tokens);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = start[s + 1] - start[s];
@@ -421,7 +422,10 @@ void paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor
     TORCH_CHECK(ctx[s] <= max_ctx, "sequence ", s, ": context length ", ctx[s], " exceeds its block table (",
                 max_ctx, " positions)");
     const int64_t pairs = q_len * ctx[s] - q_len * (q_len - 1) / 2;
-    if (max_pairs >= 0 && q_len > 1 && pairs > max_pairs) continue;
+    if (max_pairs >= 0 && q_len > 1 && pairs > max_pairs) {
+      skipped.push_back(s);
+      continue;
+    }
     if (q_len == 0) continue;
     // Chunks of at most kChunkRows rows, as many as a multiple of the threads when there are enough rows,
     // and as even as possible: 20 rows on 2 threads are 4 chunks of 5, not 8, 8 and 4.
@@ -431,10 +435,11 @@ void paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor
     for (int64_t i = 0; i < q_len; i += rows)
       chunks.push_back({s, start[s] + i, ctx[s] - q_len + i, std::min(rows, q_len - i)});
   }
-  if (chunks.empty()) return;
+  if (chunks.empty()) return skipped;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     paged_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, chunks, scale, out);
   });
+  return skipped;
 }
 
 // ---- fused pointwise ops --------------------------------------------------------------------------------

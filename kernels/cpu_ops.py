@@ -115,13 +115,12 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     tables, starts, lens = _int32(block_tables), _int32(query_start_loc), _int32(context_lens)
-    load().paged_attention_(out, query, k_cache, v_cache, tables, starts, lens, scale, SDPA_MIN_PAIRS)
-    bounds, ctx_lens = starts.tolist(), lens.tolist()
-    for s, ctx in enumerate(ctx_lens):
-        q_len = bounds[s + 1] - bounds[s]
-        if q_len > 1 and q_len * ctx - q_len * (q_len - 1) // 2 > SDPA_MIN_PAIRS:
-            rows = slice(bounds[s], bounds[s + 1])
-            out[rows] = reference.prefill_sequence(query[rows], k_cache, v_cache, tables[s], ctx, scale)
+    # The kernel decides which sequences are SDPA's and leaves their rows to us.
+    for s in load().paged_attention_(
+        out, query, k_cache, v_cache, tables, starts, lens, scale, SDPA_MIN_PAIRS
+    ):
+        rows = slice(int(starts[s]), int(starts[s + 1]))
+        out[rows] = reference.prefill_sequence(query[rows], k_cache, v_cache, tables[s], int(lens[s]), scale)
     return out
 
 
