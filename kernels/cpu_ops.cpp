@@ -58,28 +58,30 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // exp of n floats in place: 2^k * exp(r) with k = round(x / ln 2), |r| <= ln 2 / 2, and the Cephes
 // polynomial for exp(r) (within 2 ulp of std::exp). Written so the compiler vectorises the loop: a scalar
 // std::exp per score would cost more than the whole attention. Underflows to 0 below -87.3.
+#if defined(__AVX512F__)
+inline __m512 exp512(__m512 in) {
+  const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.3f);
+  const __m512 v = _mm512_min_ps(_mm512_max_ps(in, lo), hi);
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
+  r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __mmask16 underflow = _mm512_cmp_ps_mask(in, lo, _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, k));
+}
+#endif
+
 inline void exp_inplace(float* x, int64_t n) {
   int64_t start = 0;
 #if defined(__AVX512F__)
-  const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.3f);
-  for (; start + 16 <= n; start += 16) {
-    const __m512 in = _mm512_loadu_ps(x + start);
-    const __m512 v = _mm512_min_ps(_mm512_max_ps(in, lo), hi);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
-    r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-    const __mmask16 underflow = _mm512_cmp_ps_mask(in, lo, _CMP_LT_OQ);
-    _mm512_storeu_ps(x + start,
-                     _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, k)));
-  }
+  for (; start + 16 <= n; start += 16) _mm512_storeu_ps(x + start, exp512(_mm512_loadu_ps(x + start)));
 #endif
 #pragma omp simd
   for (int64_t i = start; i < n; ++i) {
@@ -276,50 +278,71 @@ constexpr int64_t kChunkRows = 8;
 // all kv heads of a slot side by side, so a task streams through each block front to back while the
 // next one is prefetched. Two passes: scores (kept: rows x heads x positions floats), then softmax and the
 // weighted sum of V rows. Tasks are handed out dynamically: chunks see contexts of different lengths.
+// The geometry and data of one attention call, as both attention kernels read them.
+template <typename T>
+struct AttentionArgs {
+  AttentionArgs(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& block_tables, double scale, at::Tensor& out)
+      : head_dim(query.size(2)),
+        num_blocks(k_cache.size(0)),
+        block_size(k_cache.size(1)),
+        num_kv_heads(k_cache.size(2)),
+        group(query.size(1) / num_kv_heads),
+        table_width(block_tables.size(1)),
+        table_stride(block_tables.stride(0)),
+        q_stride(query.stride(0)),
+        out_stride(out.stride(0)),
+        slot_stride(num_kv_heads * head_dim),
+        q_ptr(query.data_ptr<T>()),
+        k_ptr(k_cache.data_ptr<T>()),
+        v_ptr(v_cache.data_ptr<T>()),
+        tables(block_tables.data_ptr<int32_t>()),
+        out_ptr(out.data_ptr<T>()),
+        fscale(static_cast<float>(scale)) {}
+  const int64_t head_dim, num_blocks, block_size, num_kv_heads, group, table_width, table_stride, q_stride,
+      out_stride;
+  const int64_t slot_stride;  // elements between consecutive slots
+  const T* q_ptr;
+  const T* k_ptr;
+  const T* v_ptr;
+  const int32_t* tables;
+  T* out_ptr;
+  const float fscale;
+};
+
 template <typename T>
 void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_tables, const std::vector<RowChunk>& chunks, double scale,
                           at::Tensor& out) {
+  const AttentionArgs<T> a(query, k_cache, v_cache, block_tables, scale, out);
   const int64_t num_chunks = static_cast<int64_t>(chunks.size());
-  const int64_t num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t table_width = block_tables.size(1), table_stride = block_tables.stride(0);
-  const int64_t q_stride = query.stride(0), out_stride = out.stride(0);
-  const int64_t slot_stride = num_kv_heads * head_dim;  // elements between consecutive slots
-  const int64_t block_bytes = block_size * slot_stride * static_cast<int64_t>(sizeof(T));
-  const T* q_ptr = query.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  T* out_ptr = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
+  const int64_t block_bytes = a.block_size * a.slot_stride * static_cast<int64_t>(sizeof(T));
   const int threads = std::max(1, at::get_num_threads());
   // Split the kv heads only when there are too few chunks to keep every thread busy.
-  const int64_t splits = std::min<int64_t>(num_kv_heads, (threads + num_chunks - 1) / num_chunks);
-  const int64_t heads_per_task = (num_kv_heads + splits - 1) / splits;
+  const int64_t splits = std::min<int64_t>(a.num_kv_heads, (threads + num_chunks - 1) / num_chunks);
+  const int64_t heads_per_task = (a.num_kv_heads + splits - 1) / splits;
   const int64_t num_tasks = num_chunks * splits;
   std::atomic<bool> bad{false};
   std::atomic<int64_t> bad_block{0};
 
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, num_tasks)))
   {
-    const int64_t max_q = kChunkRows * heads_per_task * group;  // query vectors of one task
-    std::vector<float> q(max_q * head_dim), tile(block_size * heads_per_task * head_dim),
-        acc(max_q * head_dim), inv_sum(max_q), scores;
+    const int64_t max_q = kChunkRows * heads_per_task * a.group;  // query vectors of one task
+    std::vector<float> q(max_q * a.head_dim), tile(a.block_size * heads_per_task * a.head_dim),
+        acc(max_q * a.head_dim), inv_sum(max_q), scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
       const RowChunk& c = chunks[task / splits];
-      const int64_t h0 = task % splits * heads_per_task, h1 = std::min(num_kv_heads, h0 + heads_per_task);
-      const int64_t nq = (h1 - h0) * group, width = (h1 - h0) * head_dim;
-      const int32_t* table = tables + c.seq * table_stride;
+      const int64_t h0 = task % splits * heads_per_task, h1 = std::min(a.num_kv_heads, h0 + heads_per_task);
+      const int64_t nq = (h1 - h0) * a.group, width = (h1 - h0) * a.head_dim;
+      const int32_t* table = a.tables + c.seq * a.table_stride;
       const int64_t span = c.pos0 + c.len;  // positions the last row sees
-      const int64_t used_blocks = (span + block_size - 1) / block_size;
-      // Vector v = i * nq + r is row i's query head h0 * group + r; its scores start at v * span.
+      const int64_t used_blocks = (span + a.block_size - 1) / a.block_size;
+      // Vector v = i * nq + r is row i's query head h0 * a.group + r; its scores start at v * span.
       for (int64_t i = 0; i < c.len; ++i) {
-        const T* q_row = q_ptr + (c.row0 + i) * q_stride + h0 * group * head_dim;
-        for (int64_t e = 0; e < nq * head_dim; ++e)
-          q[i * nq * head_dim + e] = static_cast<float>(q_row[e]) * fscale;
+        const T* q_row = a.q_ptr + (c.row0 + i) * a.q_stride + h0 * a.group * a.head_dim;
+        for (int64_t e = 0; e < nq * a.head_dim; ++e)
+          q[i * nq * a.head_dim + e] = static_cast<float>(q_row[e]) * a.fscale;
       }
       scores.resize(c.len * nq * span);
 
@@ -330,25 +353,26 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       const auto walk = [&](const T* cache, auto&& visit) {
         for (int64_t b = 0; b < used_blocks; ++b) {
           const int64_t block = table[b];
-          if (block < 0 || block >= num_blocks || b >= table_width) {
+          if (block < 0 || block >= a.num_blocks || b >= a.table_width) {
             bad_block.store(block);
             bad.store(true);
             return false;
           }
-          if (b + 1 < used_blocks && table[b + 1] >= 0 && table[b + 1] < num_blocks)
-            prefetch(cache + table[b + 1] * block_size * slot_stride, block_bytes);
-          const int64_t first = b * block_size, end = std::min(block_size, span - first);
+          if (b + 1 < used_blocks && table[b + 1] >= 0 && table[b + 1] < a.num_blocks)
+            prefetch(cache + table[b + 1] * a.block_size * a.slot_stride, block_bytes);
+          const int64_t first = b * a.block_size, end = std::min(a.block_size, span - first);
           for (int64_t j = 0; j < end; ++j)
-            load_row(cache + (block * block_size + j) * slot_stride + h0 * head_dim, &tile[j * width], width);
+            load_row(cache + (block * a.block_size + j) * a.slot_stride + h0 * a.head_dim, &tile[j * width],
+                     width);
           for (int64_t i = std::max<int64_t>(0, first - c.pos0); i < c.len; ++i) {
             const int64_t n = std::min(end, c.pos0 + i + 1 - first);  // positions of this block row i sees
-            for (int64_t r = 0; r < nq; ++r) visit(i * nq + r, &tile[r / group * head_dim], first, n);
+            for (int64_t r = 0; r < nq; ++r) visit(i * nq + r, &tile[r / a.group * a.head_dim], first, n);
           }
         }
         return true;
       };
-      const bool valid = walk(k_ptr, [&](int64_t v, const float* k_rows, int64_t first, int64_t n) {
-        block_scores(&q[v * head_dim], k_rows, width, n, head_dim, &scores[v * span + first]);
+      const bool valid = walk(a.k_ptr, [&](int64_t v, const float* k_rows, int64_t first, int64_t n) {
+        block_scores(&q[v * a.head_dim], k_rows, width, n, a.head_dim, &scores[v * span + first]);
       });
       if (!valid) continue;
 
@@ -358,23 +382,259 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
           inv_sum[i * nq + r] = 1.f / exp_shifted_sum(&scores[(i * nq + r) * span], visible);
         }
       }
-      std::fill(acc.begin(), acc.begin() + c.len * nq * head_dim, 0.f);
-      walk(v_ptr, [&](int64_t v, const float* v_rows, int64_t first, int64_t n) {
-        accumulate_rows(&acc[v * head_dim], &scores[v * span + first], v_rows, width, n, head_dim);
+      std::fill(acc.begin(), acc.begin() + c.len * nq * a.head_dim, 0.f);
+      walk(a.v_ptr, [&](int64_t v, const float* v_rows, int64_t first, int64_t n) {
+        accumulate_rows(&acc[v * a.head_dim], &scores[v * span + first], v_rows, width, n, a.head_dim);
       });
       for (int64_t i = 0; i < c.len; ++i) {
-        T* o = out_ptr + (c.row0 + i) * out_stride + h0 * group * head_dim;
+        T* o = a.out_ptr + (c.row0 + i) * a.out_stride + h0 * a.group * a.head_dim;
         for (int64_t r = 0; r < nq; ++r) {
           const int64_t v = i * nq + r;
-          for (int64_t d = 0; d < head_dim; ++d)
-            o[r * head_dim + d] = static_cast<T>(acc[v * head_dim + d] * inv_sum[v]);
+          for (int64_t d = 0; d < a.head_dim; ++d)
+            o[r * a.head_dim + d] = static_cast<T>(acc[v * a.head_dim + d] * inv_sum[v]);
         }
       }
     }
   }
-  TORCH_CHECK(!bad.load(), "block table entry ", bad_block.load(), " is outside the cache (", num_blocks,
+  TORCH_CHECK(!bad.load(), "block table entry ", bad_block.load(), " is outside the cache (", a.num_blocks,
               " blocks) or past the table's width");
 }
+
+// ---- tiled attention for query blocks (prefill) ---------------------------------------------------------
+//
+// The row kernel above scores one query vector against 16 positions at a time and sums across lanes, a
+// shape made for decode. A prompt chunk has many query vectors per kv head (its rows x the group's
+// query heads), which this path computes as small matrix products on tiles held transposed, so that the
+// lanes of a register are 16 query vectors: scores S^T = K Q^T and the output O^T += V^T P^T are plain
+// multiply-adds with one operand broadcast from K or V (no sums across lanes), and the online softmax
+// (running max and sum per query vector) is elementwise on those lanes.
+
+// Query vectors of one tiled task: the lanes of two registers.
+constexpr int64_t kTileLanes = 32;
+// Positions scored together (8 x 2 registers of scores), and value columns accumulated together.
+constexpr int64_t kTilePositions = 8, kTileColumns = 8;
+
+// Consecutive query rows of one sequence and all query heads of one kv head: rows * group <= kTileLanes
+// query vectors, lane = (row - row0) * group + head in group.
+struct QueryTile {
+  int64_t seq, kv_head, row0, pos0, rows;
+};
+
+#if defined(__AVX512F__)
+template <typename T>
+void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const std::vector<QueryTile>& tasks, double scale,
+                          at::Tensor& out) {
+  const AttentionArgs<T> a(query, k_cache, v_cache, block_tables, scale, out);
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int threads = std::max(1, at::get_num_threads());
+  std::atomic<bool> bad{false};
+  std::atomic<int64_t> bad_block{0};
+  // bf16 scores straight from the cache with the bf16 dot product instruction (each product exact in
+  // float32, summed in float32), two head dims per step; other dtypes widen K first.
+#if defined(__AVX512BF16__)
+  constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
+#else
+  constexpr bool kPairs = false;
+#endif
+
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, num_tasks)))
+  {
+    // bf16: qp[d / 2][lane] the query pairs, pp[j / 2][lane] the weight pairs, vp[j / 2][d] V's row pairs;
+    // other dtypes: qt[d][lane] the scaled queries, kb, vb[j][d] one block's K and V rows, widened. Both:
+    // s[j][lane] one block's scores (then weights), ot[d][lane] the unnormalised output.
+    const int64_t max_pairs = (a.block_size + 1) / 2;
+    std::vector<int32_t> qp(kPairs ? a.head_dim / 2 * kTileLanes : 0),
+        pp(kPairs ? max_pairs * kTileLanes : 0), vp(kPairs ? max_pairs * a.head_dim : 0);
+    std::vector<float> qt(kPairs ? 0 : a.head_dim * kTileLanes), kb(kPairs ? 0 : a.block_size * a.head_dim),
+        vb(kPairs ? 0 : a.block_size * a.head_dim), s(a.block_size * kTileLanes), ot(a.head_dim * kTileLanes);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_tasks; ++task) {
+      const QueryTile& t = tasks[task];
+      const int64_t lanes = t.rows * a.group, last = t.pos0 + t.rows - 1;
+      const int32_t* table = a.tables + t.seq * a.table_stride;
+      // Lanes past the task's vectors repeat its last one and are never stored.
+      alignas(64) int32_t limit[kTileLanes];  // the last position each lane sees
+      for (int64_t lane = 0; lane < kTileLanes; ++lane) {
+        const int64_t v = std::min(lane, lanes - 1), row = v / a.group;
+        const T* q = a.q_ptr + (t.row0 + row) * a.q_stride + (t.kv_head * a.group + v % a.group) * a.head_dim;
+        if constexpr (kPairs)  // bf16 pairs (d, d + 1) as one 32-bit lane; the scale goes on the scores
+          for (int64_t d = 0; d < a.head_dim; d += 2) std::memcpy(&qp[d / 2 * kTileLanes + lane], q + d, 4);
+        else
+          for (int64_t d = 0; d < a.head_dim; ++d)
+            qt[d * kTileLanes + lane] = static_cast<float>(q[d]) * a.fscale;
+        limit[lane] = static_cast<int32_t>(t.pos0 + row);
+      }
+      const __m512i limit0 = _mm512_load_si512(limit), limit1 = _mm512_load_si512(limit + 16);
+      std::fill(ot.begin(), ot.end(), 0.f);
+      __m512 max0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), max1 = max0;
+      __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
+
+      const int64_t used_blocks = last / a.block_size + 1;
+      bool valid = true;
+      for (int64_t b = 0; b < used_blocks; ++b) {
+        const int64_t block = table[b];
+        if (block < 0 || block >= a.num_blocks || b >= a.table_width) {
+          bad_block.store(block);
+          bad.store(true);
+          valid = false;
+          break;
+        }
+        const int64_t first = b * a.block_size, n = std::min(a.block_size, last + 1 - first);
+        const T* k_block = a.k_ptr + block * a.block_size * a.slot_stride + t.kv_head * a.head_dim;
+        const T* v_block = a.v_ptr + block * a.block_size * a.slot_stride + t.kv_head * a.head_dim;
+        if constexpr (!kPairs)
+          for (int64_t j = 0; j < n; ++j) {
+            load_row(k_block + j * a.slot_stride, &kb[j * a.head_dim], a.head_dim);
+            load_row(v_block + j * a.slot_stride, &vb[j * a.head_dim], a.head_dim);
+          }
+        // Scores of kTilePositions positions for all lanes; positions a lane must not see become -inf.
+        for (int64_t j0 = 0; j0 < n; j0 += kTilePositions) {
+          __m512 acc0[kTilePositions], acc1[kTilePositions];
+          for (int64_t j = 0; j < kTilePositions; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps();
+          const int64_t m = std::min(kTilePositions, n - j0);
+          // Positions past m repeat the block's last row; their scores are never stored.
+          if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+            const T* k_rows[kTilePositions];
+            for (int64_t j = 0; j < kTilePositions; ++j)
+              k_rows[j] = k_block + (j0 + std::min(j, m - 1)) * a.slot_stride;
+            for (int64_t d = 0; d < a.head_dim; d += 2) {
+              const __m512bh q0 = (__m512bh)_mm512_loadu_si512(&qp[d / 2 * kTileLanes]);
+              const __m512bh q1 = (__m512bh)_mm512_loadu_si512(&qp[d / 2 * kTileLanes + 16]);
+              for (int64_t j = 0; j < kTilePositions; ++j) {
+                int32_t pair;
+                std::memcpy(&pair, k_rows[j] + d, sizeof(pair));
+                const __m512bh k = (__m512bh)_mm512_set1_epi32(pair);
+                acc0[j] = _mm512_dpbf16_ps(acc0[j], q0, k);
+                acc1[j] = _mm512_dpbf16_ps(acc1[j], q1, k);
+              }
+            }
+#endif
+          } else {
+            const float* k_rows = &kb[j0 * a.head_dim];
+            for (int64_t d = 0; d < a.head_dim; ++d) {
+              const __m512 q0 = _mm512_loadu_ps(&qt[d * kTileLanes]);
+              const __m512 q1 = _mm512_loadu_ps(&qt[d * kTileLanes + 16]);
+              for (int64_t j = 0; j < kTilePositions; ++j) {
+                const __m512 k = _mm512_set1_ps(k_rows[std::min(j, m - 1) * a.head_dim + d]);
+                acc0[j] = _mm512_fmadd_ps(q0, k, acc0[j]);
+                acc1[j] = _mm512_fmadd_ps(q1, k, acc1[j]);
+              }
+            }
+          }
+          const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+          const __m512 score_scale = _mm512_set1_ps(kPairs ? a.fscale : 1.f);
+          for (int64_t j = 0; j < m; ++j) {
+            const __m512i pos = _mm512_set1_epi32(static_cast<int32_t>(first + j0 + j));
+            _mm512_storeu_ps(&s[(j0 + j) * kTileLanes],
+                             _mm512_mask_mov_ps(_mm512_mul_ps(acc0[j], score_scale),
+                                                _mm512_cmpgt_epi32_mask(pos, limit0), ninf));
+            _mm512_storeu_ps(&s[(j0 + j) * kTileLanes + 16],
+                             _mm512_mask_mov_ps(_mm512_mul_ps(acc1[j], score_scale),
+                                                _mm512_cmpgt_epi32_mask(pos, limit1), ninf));
+          }
+        }
+        // Online softmax over the block: new running max, the old output and sum rescaled by
+        // exp(old max - new max), the scores turned into weights exp(s - new max).
+        __m512 new0 = max0, new1 = max1;
+        for (int64_t j = 0; j < n; ++j) {
+          new0 = _mm512_max_ps(new0, _mm512_loadu_ps(&s[j * kTileLanes]));
+          new1 = _mm512_max_ps(new1, _mm512_loadu_ps(&s[j * kTileLanes + 16]));
+        }
+        const __m512 alpha0 = exp512(_mm512_sub_ps(max0, new0)), alpha1 = exp512(_mm512_sub_ps(max1, new1));
+        max0 = new0, max1 = new1;
+        sum0 = _mm512_mul_ps(sum0, alpha0), sum1 = _mm512_mul_ps(sum1, alpha1);
+        for (int64_t j = 0; j < n; ++j) {
+          const __m512 p0 = exp512(_mm512_sub_ps(_mm512_loadu_ps(&s[j * kTileLanes]), new0));
+          const __m512 p1 = exp512(_mm512_sub_ps(_mm512_loadu_ps(&s[j * kTileLanes + 16]), new1));
+          _mm512_storeu_ps(&s[j * kTileLanes], p0);
+          _mm512_storeu_ps(&s[j * kTileLanes + 16], p1);
+          sum0 = _mm512_add_ps(sum0, p0), sum1 = _mm512_add_ps(sum1, p1);
+        }
+        // ot[d][lane] = alpha * ot[d][lane] + sum over j of s[j][lane] * V[j][d], kTileColumns d at a time.
+        if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+          // Positions in pairs (j, j + 1): the weights rounded to bf16 side by side per lane (as
+          // FlashAttention feeds P to its second product), V's two rows interleaved per column.
+          const __m512i interleave =
+              _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
+                               5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+          for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
+            const int64_t j = 2 * jp;
+            const bool second = j + 1 < n;  // an odd block's last pair has one position
+            const __m512 zero = _mm512_setzero_ps();
+            for (int64_t half = 0; half < 2; ++half) {
+              const __m512 lo = _mm512_loadu_ps(&s[j * kTileLanes + 16 * half]);
+              const __m512 hi = second ? _mm512_loadu_ps(&s[(j + 1) * kTileLanes + 16 * half]) : zero;
+              _mm512_storeu_si512(&pp[jp * kTileLanes + 16 * half],
+                                  _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
+            }
+            const T* r0 = v_block + j * a.slot_stride;
+            for (int64_t d = 0; d < a.head_dim; d += 16) {
+              const __m256i row0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + d));
+              const __m256i row1 =
+                  second ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + a.slot_stride + d))
+                         : _mm256_setzero_si256();
+              _mm512_storeu_si512(&vp[jp * a.head_dim + d],
+                                  _mm512_permutexvar_epi16(
+                                      interleave, _mm512_inserti64x4(_mm512_castsi256_si512(row0), row1, 1)));
+            }
+          }
+#endif
+        }
+        for (int64_t d0 = 0; d0 < a.head_dim; d0 += kTileColumns) {
+          __m512 acc0[kTileColumns], acc1[kTileColumns];
+          for (int64_t c = 0; c < kTileColumns; ++c) {
+            acc0[c] = _mm512_mul_ps(_mm512_loadu_ps(&ot[(d0 + c) * kTileLanes]), alpha0);
+            acc1[c] = _mm512_mul_ps(_mm512_loadu_ps(&ot[(d0 + c) * kTileLanes + 16]), alpha1);
+          }
+          if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+            for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
+              const __m512bh p0 = (__m512bh)_mm512_loadu_si512(&pp[jp * kTileLanes]);
+              const __m512bh p1 = (__m512bh)_mm512_loadu_si512(&pp[jp * kTileLanes + 16]);
+              const int32_t* v_pairs = &vp[jp * a.head_dim + d0];
+              for (int64_t c = 0; c < kTileColumns; ++c) {
+                const __m512bh v = (__m512bh)_mm512_set1_epi32(v_pairs[c]);
+                acc0[c] = _mm512_dpbf16_ps(acc0[c], p0, v);
+                acc1[c] = _mm512_dpbf16_ps(acc1[c], p1, v);
+              }
+            }
+#endif
+          } else {
+            for (int64_t j = 0; j < n; ++j) {
+              const __m512 p0 = _mm512_loadu_ps(&s[j * kTileLanes]),
+                           p1 = _mm512_loadu_ps(&s[j * kTileLanes + 16]);
+              const float* v_row = &vb[j * a.head_dim + d0];
+              for (int64_t c = 0; c < kTileColumns; ++c) {
+                const __m512 v = _mm512_set1_ps(v_row[c]);
+                acc0[c] = _mm512_fmadd_ps(p0, v, acc0[c]);
+                acc1[c] = _mm512_fmadd_ps(p1, v, acc1[c]);
+              }
+            }
+          }
+          for (int64_t c = 0; c < kTileColumns; ++c) {
+            _mm512_storeu_ps(&ot[(d0 + c) * kTileLanes], acc0[c]);
+            _mm512_storeu_ps(&ot[(d0 + c) * kTileLanes + 16], acc1[c]);
+          }
+        }
+      }
+      if (!valid) continue;
+      alignas(64) float inv[kTileLanes];
+      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum0));
+      _mm512_store_ps(inv + 16, _mm512_div_ps(_mm512_set1_ps(1.f), sum1));
+      for (int64_t lane = 0; lane < lanes; ++lane) {
+        T* o = a.out_ptr + (t.row0 + lane / a.group) * a.out_stride +
+               (t.kv_head * a.group + lane % a.group) * a.head_dim;
+        for (int64_t d = 0; d < a.head_dim; ++d) o[d] = static_cast<T>(ot[d * kTileLanes + lane] * inv[lane]);
+      }
+    }
+  }
+  TORCH_CHECK(!bad.load(), "block table entry ", bad_block.load(), " is outside the cache (", a.num_blocks,
+              " blocks) or past the table's width");
+}
+#endif
 
 // query [T, Hq, D] (rows may be strided); k_cache, v_cache [num_blocks, block_size, Hkv, D];
 // block_tables int32 [S, max_blocks]; query_start_loc int32 [S + 1]; context_lens int32 [S].
@@ -385,7 +645,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                                       const at::Tensor& v_cache, const at::Tensor& block_tables,
                                       const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                                      double scale, int64_t max_pairs) {
+                                      double scale, int64_t max_pairs, int64_t min_tile_lanes) {
   check_cache(k_cache, v_cache);
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [num_tokens, num_heads, head_dim] with contiguous heads");
@@ -412,7 +672,15 @@ std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, 
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() && out.scalar_type() == query.scalar_type(),
               "out must be a contiguous tensor shaped and typed like query");
   const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t head_dim = query.size(2), num_kv_heads = k_cache.size(2),
+                group = query.size(1) / num_kv_heads;
+#if defined(__AVX512F__)
+  const bool can_tile = head_dim % 16 == 0 && group <= kTileLanes;
+#else
+  const bool can_tile = false;
+#endif
   std::vector<RowChunk> chunks;
+  std::vector<QueryTile> tiles;
   std::vector<int64_t> skipped;
   chunks.reserve(num_tokens);
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -421,6 +689,16 @@ std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, 
                 ctx[s]);
     TORCH_CHECK(ctx[s] <= max_ctx, "sequence ", s, ": context length ", ctx[s], " exceeds its block table (",
                 max_ctx, " positions)");
+    if (can_tile && q_len > 1 && q_len * group >= min_tile_lanes) {
+      // Tasks of as many rows as fill kTileLanes, evened out: 26 rows of 3 heads are 9 + 9 + 8, not 10 + 10
+      // + 6.
+      const int64_t per_task = kTileLanes / group, num_row_tiles = (q_len + per_task - 1) / per_task;
+      const int64_t rows = (q_len + num_row_tiles - 1) / num_row_tiles;
+      for (int64_t i = 0; i < q_len; i += rows)
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          tiles.push_back({s, h, start[s] + i, ctx[s] - q_len + i, std::min(rows, q_len - i)});
+      continue;
+    }
     const int64_t pairs = q_len * ctx[s] - q_len * (q_len - 1) / 2;
     if (max_pairs >= 0 && q_len > 1 && pairs > max_pairs) {
       skipped.push_back(s);
@@ -435,9 +713,18 @@ std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, 
     for (int64_t i = 0; i < q_len; i += rows)
       chunks.push_back({s, start[s] + i, ctx[s] - q_len + i, std::min(rows, q_len - i)});
   }
-  if (chunks.empty()) return skipped;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    paged_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, chunks, scale, out);
+    if (!chunks.empty())
+      paged_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, chunks, scale, out);
+#if defined(__AVX512F__)
+    if (!tiles.empty()) {
+      // The longest first: tasks are handed out dynamically, and a late long one would run alone.
+      std::stable_sort(tiles.begin(), tiles.end(), [](const QueryTile& a, const QueryTile& b) {
+        return a.pos0 + a.rows > b.pos0 + b.rows;
+      });
+      tiled_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, tiles, scale, out);
+    }
+#endif
   });
   return skipped;
 }

@@ -8,9 +8,10 @@ never loads code built for a different instruction set or source.
 
 What it replaces, and why: in stock PyTorch, attention gathers every sequence's K/V into dense tensors
 and widens them to float32 before two small batched matmuls, and each decoder layer runs about ninety
-small ops (RMSNorm alone is five). Here attention reads the paged cache in place, and RMSNorm with its
-residual add, and RoPE with the KV write, are one pass each. Long prompts still take
-dense SDPA (reference.prefill_sequence), which beats a per-row kernel on long causal blocks.
+small ops (RMSNorm alone is five). Here attention reads the paged cache in place (decode rows one by
+one; prompt chunks, on AVX-512, as tiled products with the bf16 dot-product instruction), and RMSNorm
+with its residual add, and RoPE with the KV write, are one pass each. Where the tiled path cannot run,
+long prompts take dense SDPA (reference.prefill_sequence), which beats the per-row kernel on them.
 """
 
 from __future__ import annotations
@@ -45,12 +46,17 @@ SOURCE = Path(__file__).resolve().parent / "cpu_ops.cpp"
 # NOTE: no fused multiply-adds: x * c + y * s must round each product as PyTorch does (bitwise the same
 # RoPE); the kernels are bound by memory traffic, not by the extra add.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
-# A sequence of several queries with more query-key pairs than this in a step goes through dense SDPA
-# (reference.prefill_sequence): very long prompts, whose K/V blocks the paged kernel reads once per
-# eight rows. The paged kernel takes the rest, decodes always (batched in one call). Measured on a
-# 2-core AVX-512 machine, bf16, SmolLM2 shapes (9 query heads of 64 over 3 kv heads), per layer, kernel
-# against SDPA: whole prompts of 275 tokens 1.2 / 1.8 ms, 500: 3.0 / 5.6 ms, 1000: 12.1 / 14.4 ms,
-# 2000: 45.8 / 39.5 ms; 32 tokens after 2000 cached 1.7 / 1.9 ms.
+# A sequence of several queries with at least this many query vectors per kv head (queries x the
+# group's query heads) takes the tiled kernel (AVX-512 builds, head sizes a multiple of 16), whose
+# tasks fill 32 lanes; fewer go through the row kernel. Measured on a 2-core AVX-512 machine, bf16,
+# SmolLM2 shapes (9 query heads of 64 over 3 kv heads), per layer, row kernel / tiled / SDPA in ms:
+# 2 queries after 298 cached 0.026 / 0.038; 4: 0.033 / 0.039; 8: 0.055 / 0.041; 26 after 672: 0.42 /
+# 0.20 / 0.88; whole prompts of 275 tokens 0.83 / 0.48 / 1.9, 500: 2.6 / 1.3 / 6.3, 1000: 11.4 / 4.7 /
+# 13.0, 2000: 39.8 / 18.1 / 41.8 (`bench/bench_kernels_cpu.py --prefill --dtype bfloat16`).
+TILE_MIN_LANES = 16
+# Where the tiled kernel cannot run, a sequence of several queries with more query-key pairs than this
+# goes through dense SDPA (reference.prefill_sequence) instead of the row kernel: very long prompts,
+# whose K/V blocks the row kernel reads once per eight rows (numbers above).
 SDPA_MIN_PAIRS = 1_000_000
 
 
@@ -98,9 +104,8 @@ def paged_decode_attention(
     assert block_tables.shape[0] == batch and context_lens.shape == (batch,)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     starts = torch.arange(batch + 1, dtype=torch.int32)
-    load().paged_attention_(
-        out, query, k_cache, v_cache, _int32(block_tables), starts, _int32(context_lens), scale, -1
-    )
+    tables, lens = _int32(block_tables), _int32(context_lens)
+    load().paged_attention_(out, query, k_cache, v_cache, tables, starts, lens, scale, -1, TILE_MIN_LANES)
     return out
 
 
@@ -117,7 +122,7 @@ def paged_prefill_attention(
     tables, starts, lens = _int32(block_tables), _int32(query_start_loc), _int32(context_lens)
     # The kernel decides which sequences are SDPA's and leaves their rows to us.
     for s in load().paged_attention_(
-        out, query, k_cache, v_cache, tables, starts, lens, scale, SDPA_MIN_PAIRS
+        out, query, k_cache, v_cache, tables, starts, lens, scale, SDPA_MIN_PAIRS, TILE_MIN_LANES
     ):
         rows = slice(int(starts[s]), int(starts[s + 1]))
         out[rows] = reference.prefill_sequence(query[rows], k_cache, v_cache, tables[s], int(lens[s]), scale)

@@ -53,13 +53,24 @@ def test_decode_attention_matches_per_token_oracle(num_kv_heads, group, head_dim
     check_decode_against_oracle(cpu_ops, num_kv_heads, group, head_dim, block_size, dtype)
 
 
-@pytest.mark.parametrize("sdpa_min_pairs", [cpu_ops.SDPA_MIN_PAIRS, 40])
+# Which path takes a sequence of several queries: the tiled kernel (from TILE_MIN_LANES query vectors per kv
+# head, on AVX-512), else SDPA (above SDPA_MIN_PAIRS query-key pairs), else the row kernel.
+PATHS = [
+    pytest.param(cpu_ops.TILE_MIN_LANES, cpu_ops.SDPA_MIN_PAIRS, id="as-shipped"),
+    pytest.param(1, cpu_ops.SDPA_MIN_PAIRS, id="all-tiled"),
+    pytest.param(10**9, cpu_ops.SDPA_MIN_PAIRS, id="rows"),
+    pytest.param(10**9, 40, id="rows-and-sdpa"),
+]
+
+
+@pytest.mark.parametrize(("tile_min_lanes", "sdpa_min_pairs"), PATHS)
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), PREFILL_PARAMS)
 def test_mixed_prefill_batch_matches_per_token_oracle(
-    monkeypatch, sdpa_min_pairs, num_kv_heads, group, head_dim, block_size, dtype
+    monkeypatch, tile_min_lanes, sdpa_min_pairs, num_kv_heads, group, head_dim, block_size, dtype
 ):
-    # With a threshold of 40 pairs, the batch is split: the longer sequences go through SDPA, the rest
-    # through the paged kernel, and the rows must land where they belong.
+    # The batch is split between the paths (with a threshold of 40 pairs the longer sequences go through
+    # SDPA), and every row must land where it belongs.
+    monkeypatch.setattr(cpu_ops, "TILE_MIN_LANES", tile_min_lanes)
     monkeypatch.setattr(cpu_ops, "SDPA_MIN_PAIRS", sdpa_min_pairs)
     check_mixed_prefill_against_oracle(cpu_ops, num_kv_heads, group, head_dim, block_size, dtype)
 
