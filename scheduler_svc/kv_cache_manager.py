@@ -17,6 +17,20 @@ from .request import Request
 
 
 @dataclass(slots=True)
+class PrefixHit:
+    """What the prefix cache holds of a request's leading tokens."""
+
+    # Cached full blocks of the leading tokens, in order (taken into the request's table).
+    nodes: list[CacheNode]
+    # Tokens of the hit: the blocks' and then partial_tokens more.
+    num_tokens: int = 0
+    # A cached block whose first partial_tokens tokens continue the prompt after those blocks: the
+    # request copies it into a fresh block and computes from there on; None if there is none.
+    partial: CacheNode | None = None
+    partial_tokens: int = 0
+
+
+@dataclass(slots=True)
 class CowCopy:
     # The request whose block table entry is replaced.
     request: Request
@@ -40,30 +54,49 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def lookup(self, req: Request) -> list[CacheNode]:
-        """Cached blocks for req's leading tokens; never covers its last token (which must be
-        computed to sample). None for a request that scores its prompt (prompt logprobs): like
-        vLLM, it computes every prompt position. No side effect."""
+    def lookup(self, req: Request, step: int) -> PrefixHit:
+        """What the cache holds of req's leading tokens for the plan of step `step`: whole blocks,
+        then part of one computed before that step; never req's last token (which must be computed
+        to sample). Nothing for a request that scores its prompt (prompt logprobs): like vLLM, it
+        computes every prompt position. No side effect."""
         if self.cache is None or req.wants_prompt_logprobs:
-            return []
-        return self.cache.match(req.cache_salt, req.token_ids, (len(req.token_ids) - 1) // self.block_size)
-
-    def blocks_to_admit(self, hits: list[CacheNode], num_new_tokens: int) -> int:
-        """Free blocks that admitting with these hits and tokens takes (hit blocks nobody holds
-        count: they stop being evictable)."""
+            return PrefixHit([])
         bs = self.block_size
-        new = -(-(len(hits) * bs + num_new_tokens) // bs) - len(hits)
-        return new + sum(1 for node in hits if not node.referenced)
+        tokens = req.token_ids
+        nodes = self.cache.match(req.cache_salt, tokens, (len(tokens) - 1) // bs)
+        start = len(nodes) * bs
+        parent = nodes[-1] if nodes else self.cache.root(req.cache_salt)
+        partial, n = self.cache.match_partial(
+            parent, tokens[start : start + bs], len(tokens) - 1 - start, step
+        )
+        return PrefixHit(nodes, start + n, partial, n)
 
-    def admit(self, req: Request, hits: list[CacheNode]) -> None:
-        """Take the hit blocks into req's (empty) table; the caller then allocate_slots()."""
+    def blocks_to_admit(self, hit: PrefixHit, num_new_tokens: int) -> int:
+        """Free blocks that admitting with this hit and tokens takes (hit blocks nobody holds
+        count: they stop being evictable; so does a partly hit one while it is copied)."""
+        bs = self.block_size
+        new = -(-(hit.num_tokens + num_new_tokens) // bs) - len(hit.nodes)
+        held = hit.partial is not None and not hit.partial.referenced
+        return new + held + sum(1 for node in hit.nodes if not node.referenced)
+
+    def admit(self, req: Request, hit: PrefixHit, cows: list[CowCopy]) -> None:
+        """Take the hit blocks into req's (empty) table, and a copy of the partly hit block (the copy
+        is the plan's, before anything is computed); the caller then allocate_slots()."""
         assert not req.block_table and req.num_computed_tokens == 0
-        req.block_table = [node.block_id for node in hits]
+        req.block_table = [node.block_id for node in hit.nodes]
         self.pool.incref(req.block_table)
-        req.num_computed_tokens = len(hits) * self.block_size
-        req.num_cached_blocks = len(hits)
+        req.num_computed_tokens = hit.num_tokens
+        req.num_cached_blocks = len(hit.nodes)
         if self.cache is not None:
-            req.cache_node = hits[-1] if hits else self.cache.root(req.cache_salt)
+            req.cache_node = hit.nodes[-1] if hit.nodes else self.cache.root(req.cache_salt)
+        if hit.partial is not None:
+            src = hit.partial.block_id
+            # Held while the fresh block is taken, so that taking it cannot evict the block to copy.
+            self.pool.incref((src,))
+            (dst,) = self.pool.allocate(1)
+            self.pool.free((src,))
+            req.block_table.append(dst)
+            cows.append(CowCopy(req, len(req.block_table) - 1, src, dst))
 
     def allocate_slots(self, req: Request, num_new_tokens: int, cows: list[CowCopy]) -> bool:
         """Give req the blocks to compute its next num_new_tokens (a fresh copy of a shared
@@ -90,8 +123,9 @@ class KVCacheManager:
             table.extend(self.pool.allocate(num_new_blocks))
         return True
 
-    def cache_full_blocks(self, req: Request) -> None:
-        """Insert req's blocks that are full (all tokens computed and their ids known)."""
+    def cache_full_blocks(self, req: Request, step: int) -> None:
+        """Insert req's blocks that are full (all tokens computed, by plans up to step `step`, and
+        their ids known)."""
         node = req.cache_node
         if node is None:
             return
@@ -101,7 +135,7 @@ class KVCacheManager:
         i = req.num_cached_blocks
         while i < num_full:
             block = req.block_table[i]
-            node = self.cache.insert(node, tuple(token_ids[i * bs : (i + 1) * bs]), block)
+            node = self.cache.insert(node, tuple(token_ids[i * bs : (i + 1) * bs]), block, step)
             if node.block_id != block:
                 # NOTE: another request cached these tokens first: keep its node, ours stays
                 # private. Stop caching this request's later blocks, because inserting them under a

@@ -1,7 +1,10 @@
 """Block-granular radix trie of cached prefixes, one per worker.
 
 Each node is one full block: its key is the block's token ids, its parent the block before it, and
-one root per cache salt keeps tenants apart. The trie holds a block WITHOUT a reference count: the
+one root per cache salt keeps tenants apart. Matching is token-granular at the end: past the last
+block that matches whole, a cached block whose leading tokens continue the prompt serves those tokens
+too (the request copies it and computes the rest of it), so a shared system prompt that ends inside a
+block is still reused to its last token. The trie holds a block WITHOUT a reference count: the
 pool's count is the number of block tables holding the block, and a cached block whose count drops
 to zero stays in the trie (evictable) until the pool needs it back.
 
@@ -29,6 +32,9 @@ class CacheNode:
     children: dict[tuple[int, ...], CacheNode] = field(default_factory=dict)
     # Logical time of the last hit or release (larger is more recent).
     last_used: int = 0
+    # Step id of the plan that computes the block's last token: a block enters the trie when that plan
+    # is built, so its K/V exist only once that step has run.
+    step: int = 0
     # Whether some block table holds the block (its pool reference count is above zero).
     referenced: bool = True
     # False once evicted.
@@ -76,15 +82,41 @@ class PrefixCache:
                 path.append(node)
         return path
 
-    def insert(self, parent: CacheNode, key: tuple[int, ...], block_id: int) -> CacheNode:
-        """Cache a referenced full block under parent; if a node with this key exists already
-        (another request computed the same block), keep it and return it."""
+    def match_partial(
+        self, node: CacheNode, token_ids: list[int], max_tokens: int, step: int
+    ) -> tuple[CacheNode | None, int]:
+        """The child of node whose block begins with the longest run of token_ids (at most
+        max_tokens, and fewer than a block), and that run's length; (None, 0) if none begins with
+        token_ids[0]. Only blocks computed by a plan before `step`: the plan of step `step` copies
+        the block before it computes anything. Cost: a comparison per child with a matching first
+        token."""
+        limit = min(max_tokens, len(token_ids), self.block_size - 1)
+        if limit <= 0 or not node.children:
+            return None, 0
+        best, best_len = None, 0
+        first = token_ids[0]
+        for key, child in node.children.items():
+            if key[0] != first or child.step >= step:
+                continue
+            n = 1
+            while n < limit and key[n] == token_ids[n]:
+                n += 1
+            if n > best_len:
+                best, best_len = child, n
+                if n == limit:
+                    break
+        return best, best_len
+
+    def insert(self, parent: CacheNode, key: tuple[int, ...], block_id: int, step: int = 0) -> CacheNode:
+        """Cache a referenced full block, whose last token the plan of step `step` computes, under
+        parent; if a node with this key exists already (another request computed the same block),
+        keep it and return it."""
         assert parent.alive and len(key) == self.block_size
         node = parent.children.get(key)
         if node is not None:
             return node
         assert self._node_of_block[block_id] is None, f"block {block_id} cached twice"
-        node = CacheNode(block_id=block_id, key=key, parent=parent, last_used=self._tick())
+        node = CacheNode(block_id=block_id, key=key, parent=parent, last_used=self._tick(), step=step)
         parent.children[key] = node
         self._node_of_block[block_id] = node
         self._num_cached += 1

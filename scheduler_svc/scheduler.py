@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pagedserve.proto import common_pb2, worker_pb2
 
 from .config import SchedulerConfig
-from .kv_cache_manager import CowCopy, KVCacheManager
-from .prefix_cache import CacheNode
+from .kv_cache_manager import CowCopy, KVCacheManager, PrefixHit
 from .request import Request, RequestStatus
 
 _FINISH_NAMES = {
@@ -251,6 +250,7 @@ class Scheduler:
             self._step_id -= 1
             first, out = out, self._schedule_once()
             out.finished[:0] = first.finished
+            out.cow_copies[:0] = first.cow_copies  # copies of partly hit blocks for those parents
         return out
 
     def _schedule_once(self) -> SchedulerOutput:
@@ -297,7 +297,7 @@ class Scheduler:
                     sampled.append(req)
                     budget -= 1
                     if req.cache_node is not None and num_known // bs > req.num_cached_blocks:
-                        kv.cache_full_blocks(req)
+                        kv.cache_full_blocks(req, self._step_id)
                     continue
             if num_new <= 0:
                 continue
@@ -323,16 +323,16 @@ class Scheduler:
             admission = self._admission(req, budget)
             if admission is None:
                 break
-            hits, num_new = admission
+            hit, num_new = admission
             waiting.pop(0)
-            kv.admit(req, hits)
+            kv.admit(req, hit, cows)
             ok = kv.allocate_slots(req, num_new, cows)
             assert ok
             if kv.cache is not None:
                 self._prefix_queries += len(req.token_ids)
-                self._prefix_hits += len(hits) * bs
+                self._prefix_hits += hit.num_tokens
             if req.num_cached_prompt_tokens < 0:
-                req.num_cached_prompt_tokens = min(len(hits) * bs, req.prompt_len)
+                req.num_cached_prompt_tokens = min(hit.num_tokens, req.prompt_len)
             req.status = RequestStatus.RUNNING
             self._num_reserved_seqs += len(req.pending_forks)
             bisect.insort(running, req, key=_sort_key)
@@ -357,7 +357,7 @@ class Scheduler:
         self._preempted = []
         return out
 
-    def _admission(self, req: Request, budget: int) -> tuple[list[CacheNode], int] | None:
+    def _admission(self, req: Request, budget: int) -> tuple[PrefixHit, int] | None:
         """(prefix-cache hits, tokens to compute now) if the waiting request can be admitted with
         this token budget and the free blocks; None if it must wait. No side effect."""
         cfg = self.config
@@ -366,16 +366,16 @@ class Scheduler:
         if len(self.running) + self._num_reserved_seqs + 1 + len(req.pending_forks) > cfg.max_num_seqs:
             return None
         kv = self.kv
-        hits = kv.lookup(req)
+        hit = kv.lookup(req, self._step_id)
         end = req.prompt_len - 1 if req.pending_forks else len(req.token_ids)
-        num_new = end - len(hits) * cfg.block_size
+        num_new = end - hit.num_tokens
         if num_new > budget:
             if not cfg.enable_chunked_prefill and num_new <= cfg.max_num_batched_tokens:
                 return None
             num_new = budget
-        if kv.blocks_to_admit(hits, num_new) > kv.num_free_blocks:
+        if kv.blocks_to_admit(hit, num_new) > kv.num_free_blocks:
             return None
-        return hits, num_new
+        return hit, num_new
 
     def _schedule_tokens(
         self,
@@ -398,7 +398,7 @@ class Scheduler:
         elif req.pending_forks and end == req.prompt_len - 1:
             self._to_fork.append(req)
         if req.cache_node is not None and min(end, len(req.token_ids)) // bs > req.num_cached_blocks:
-            self.kv.cache_full_blocks(req)
+            self.kv.cache_full_blocks(req, self._step_id)
 
     def _fork_ready_parents(self) -> None:
         for parent in self._to_fork:
@@ -470,7 +470,7 @@ class Scheduler:
             elif req.cache_node is not None and (
                 min(req.num_computed_tokens, num_known) // block_size > req.num_cached_blocks
             ):
-                self.kv.cache_full_blocks(req)
+                self.kv.cache_full_blocks(req, self._step_id)
             # NOTE: positional and inline (the hot path); num_cached_prompt_tokens is set: it sampled.
             append(
                 RequestOutput(

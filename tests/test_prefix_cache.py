@@ -17,7 +17,11 @@ def _chain(cache: PrefixCache, pool: BlockPool, keys: list[tuple[int, ...]], sal
 
 
 def _cache(num_blocks: int = 8) -> tuple[PrefixCache, BlockPool]:
-    cache = PrefixCache(num_blocks, 2)
+    return _cache_of(num_blocks, 2)
+
+
+def _cache_of(num_blocks: int, block_size: int) -> tuple[PrefixCache, BlockPool]:
+    cache = PrefixCache(num_blocks, block_size)
     return cache, BlockPool(num_blocks, cache)
 
 
@@ -78,11 +82,15 @@ def test_full_prompt_hit_still_computes_last_token():
     d.run()
     s.add_request(make_request("b", prompt, max_tokens=1))
     out = d.step()
-    # 2 blocks hit: a third would cover the last prompt token, which must be computed to sample.
-    assert out.num_scheduled_tokens == [4]
-    assert s.stats().prefix_cache_hits == 8
+    # 2 blocks hit whole; of the third, which holds the last prompt token (it must be computed to
+    # sample), the 3 tokens before it: the block is copied and only the last token computed.
+    assert out.num_scheduled_tokens == [1]
+    (copy,) = out.cow_copies
+    assert copy.src_block == s.kv.cache.match("", prompt, 3)[2].block_id != copy.dst_block
+    assert s.stats().prefix_cache_hits == 11
     d.run()
-    assert d.logs[("b", 0)].num_cached_tokens == 8
+    assert d.logs[("b", 0)].num_cached_tokens == 11
+    assert d.logs[("b", 0)].tokens == d.logs[("a", 0)].tokens
 
 
 def test_hit_reuses_blocks_of_a_finished_request_and_counts_tokens():
@@ -92,9 +100,10 @@ def test_hit_reuses_blocks_of_a_finished_request_and_counts_tokens():
     d.run()
     s.add_request(make_request("b", [*range(20, 33), 99, 98], max_tokens=3))
     out = d.step()
-    assert out.num_scheduled_tokens == [15 - 12]
+    # 3 blocks whole, and token 32 from a's fourth block [32, 33, 34, 35].
+    assert out.num_scheduled_tokens == [15 - 13]
     stats = s.stats()
-    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (17 + 15, 12)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (17 + 15, 13)
     d.run()
 
 
@@ -159,3 +168,76 @@ def test_disabled_prefix_caching_never_hits():
         s.add_request(make_request(rid, list(range(1, 18)), max_tokens=2))
         d.run()
     assert s.stats().prefix_cache_hits == 0 and s.kv.pool.num_used_blocks == 0
+
+
+def test_partial_match_takes_the_child_with_the_longest_common_run():
+    cache, pool = _cache_of(16, 4)
+    root = cache.root("")
+    (a,) = _chain(cache, pool, [(1, 2, 3, 4)])
+    (b,) = _chain(cache, pool, [(1, 2, 7, 8)])
+    _chain(cache, pool, [(5, 6, 7, 8)])
+    assert cache.match_partial(root, [1, 2, 3, 9], 4, step=1) == (cache.node_of(a), 3)
+    assert cache.match_partial(root, [1, 2, 7, 9], 4, step=1) == (cache.node_of(b), 3)
+    assert cache.match_partial(root, [1, 2, 3, 4], 2, step=1) == (cache.node_of(a), 2)  # capped
+    assert cache.match_partial(root, [9, 2, 3, 4], 4, step=1) == (None, 0)
+    # A block whose tokens the plan being built computes cannot be copied by that same plan.
+    (late,) = pool.allocate(1)
+    cache.insert(root, (9, 9, 9, 9), late, step=5)
+    assert cache.match_partial(root, [9, 9, 1], 3, step=5) == (None, 0)
+    assert cache.match_partial(root, [9, 9, 1], 3, step=6) == (cache.node_of(late), 2)
+
+
+def test_a_shared_prefix_ending_inside_a_block_is_reused_to_its_last_token():
+    # A system prompt of 10 tokens (2 blocks and 2 tokens) then distinct questions: every request after
+    # the first copies the third block and computes only its question.
+    s = _scheduler()
+    d = Driver(s, check=lambda: check_invariants(s))
+    system = list(range(50, 60))
+    for i, question in enumerate([[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]):
+        s.add_request(make_request(f"q{i}", system + question, max_tokens=3, eos=None))
+        out = d.step()
+        if i == 0:
+            assert out.num_scheduled_tokens == [14] and not out.cow_copies
+        else:
+            assert out.num_scheduled_tokens == [len(question)] and len(out.cow_copies) == 1
+        d.run()
+        assert d.logs[(f"q{i}", 0)].num_cached_tokens == (0 if i == 0 else 10)
+    assert s.stats().prefix_cache_hits == 20
+    # The copies kept the cached block intact: a repeat of the first request still reads it right.
+    s.add_request(make_request("again", [*system, 1, 2, 3, 4], max_tokens=3, eos=None))
+    d.run()
+    assert d.logs[("again", 0)].tokens == d.logs[("q0", 0)].tokens
+
+
+def test_a_block_computed_in_the_same_step_is_not_copied_before_it_exists():
+    # Two requests with one prefix ending inside a block arrive together: the first computes the block
+    # in this step, whose copies run before its forward pass, so the second must not copy it.
+    s = _scheduler()
+    d = Driver(s, check=lambda: check_invariants(s))
+    system = list(range(70, 80))
+    s.add_request(make_request("a", [*system, 1, 2], max_tokens=2, eos=None))
+    s.add_request(make_request("b", [*system, 3, 4], max_tokens=2, eos=None))
+    out = d.step()
+    assert out.num_scheduled_tokens == [12, 12 - 8] and not out.cow_copies
+    d.run()
+    s.add_request(make_request("c", [*system, 5, 6], max_tokens=2, eos=None))
+    assert d.step().num_scheduled_tokens == [2]
+    d.run()
+
+
+def test_forks_after_a_hit_that_covers_all_but_the_last_prompt_token_keep_the_copy():
+    # n = 2 on a prompt whose every token but the last is cached (the last of them in a partly hit
+    # block): the parent has nothing to compute before forking, and the step that forks it must still
+    # carry the copy of that block.
+    s = _scheduler()
+    d = Driver(s, check=lambda: check_invariants(s))
+    prompt = list(range(90, 100))
+    s.add_request(make_request("a", prompt, max_tokens=4, eos=None))  # fills its third block
+    d.run()
+    s.add_request(make_request("b", prompt, max_tokens=2, n=2, eos=None))
+    out = d.step()
+    assert (
+        out.cow_copies[0].src_block == s.kv.cache.match("", prompt + d.logs[("a", 0)].tokens, 3)[2].block_id
+    )
+    d.run()
+    assert d.logs[("b", 0)].num_cached_tokens == 9

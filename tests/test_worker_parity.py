@@ -132,8 +132,10 @@ def test_batched_chunked_prefix_hit_and_forks_match_transformers_pipelined(
 ):
     first = make_request("first", chat_prompt(tokenizer, "What is the capital of France?"), eos, 8)
     forked = make_request("forked", chat_prompt(tokenizer, "Why is the sky blue?"), eos, 6, n=2)
-    # Arrives once "first" has sampled (its prompt's full blocks are cached): a prefix hit.
-    second = make_request("second", chat_prompt(tokenizer, "What do bees make?"), eos, 6)
+    # Arrives once "first" has sampled 4 tokens (its prompt's 45 tokens and 3 of them fill 3 blocks, all
+    # cached): a prefix hit, whole blocks and then the part of the third block before "Spain" (copied
+    # into a block of its own).
+    second = make_request("second", chat_prompt(tokenizer, "What is the capital of Spain?"), eos, 6)
     # 24 tokens a step: every prompt (about 45 tokens) is computed in chunks over several steps.
     config = SchedulerConfig(
         num_blocks=64, block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=512
@@ -143,7 +145,7 @@ def test_batched_chunked_prefix_hit_and_forks_match_transformers_pipelined(
         config,
         [first, forked],
         pipelined=True,
-        late=(lambda t: len(t.get(("first", 0), [])) >= 1, second),
+        late=(lambda t: len(t.get(("first", 0), [])) >= 4, second),
     )
 
     # The scenario did what it says.
@@ -151,6 +153,7 @@ def test_batched_chunked_prefix_hit_and_forks_match_transformers_pipelined(
     assert any(len(p.slots) >= 2 for p in plans)
     hits = [r for p in plans for r in p.new_requests if r.request_id == "second" and r.num_computed_tokens]
     assert hits and hits[0].num_computed_tokens >= BLOCK_SIZE  # cached blocks skipped
+    assert hits[0].num_computed_tokens % BLOCK_SIZE  # and part of one
     assert scheduler.stats().prefix_cache_hits >= BLOCK_SIZE
     assert any(p.copy_src_blocks for p in plans), "the forks' shared last block was never copied"
     assert sum(len(p.new_requests) for p in plans) == 4  # first, forked, its fork, second
