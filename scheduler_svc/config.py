@@ -18,7 +18,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # Longest sequence, prompt plus output, in tokens.
     max_model_len: int = 2048
-    # Share full blocks between requests through the prefix trie.
+    # Share cached blocks between requests through the prefix trie (whole blocks, then the start of one).
     enable_prefix_caching: bool = True
     # "fcfs": first come, first served; "priority": lower priority value first, then arrival.
     policy: Literal["fcfs", "priority"] = "fcfs"
