@@ -9,15 +9,18 @@
 // Built once per machine by kernels/cpu_ops.py (torch.utils.cpp_extension, with -march=native).
 
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -859,6 +862,176 @@ void rotary_write_kv_(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos
   });
 }
 
+// ---- linear layers of few rows (decode) ----------------------------------------------------------------
+//
+// y = x @ W^T with x [M, K], W [N, K] (nn.Linear's layout), all bf16, products summed in float32
+// (vdpbf16ps, AVX-512 BF16). In decode M is 1 to a few dozen rows, so a linear layer is bound by
+// streaming W from memory once, not by arithmetic; oneDNN's packed bf16 linear streams about 20 GB/s of
+// the ~30 this 2-core machine reads at M = 1 and costs about 14 us per call before it reads anything
+// (here about 3.5 us). W is read exactly once, as one sequential stream per thread, while every row of x
+// stays in L1 and is broadcast from there.
+//
+// Layout (pack_linear_weight): W is packed once into blocks of 16 output columns. Inside a block, K is
+// walked in pairs, and pair p of the block's 16 rows is one 64-byte line: [n0 k2p, n0 k2p+1, n1 k2p, ...].
+// vdpbf16ps multiplies such a line by one pair of x broadcast to all 16 lanes (one 32-bit broadcast folded
+// into the instruction's memory operand) and adds into 16 float32 sums, one per output column: one load
+// of W feeds 16 outputs of each of the M rows. Blocks follow each other in memory, so a thread's share
+// of the blocks is one contiguous stream. N is padded to a multiple of 16 and K to a multiple of 2.
+
+constexpr int64_t kBlock = 16;  // output columns per block: one zmm of float32 sums
+// Rows of x computed against one pass over a W block: their sums and the W line stay in the 32 zmm
+// registers. More rows are split into balanced chunks, each rereading the block from L1/L2. One pass for
+// up to 28 rows measured no better overall (M = 20 slower by 8%, M = 28 faster by 9%): from M of about
+// 16 up, the time is set by vdpbf16ps throughput (about 3 per ns per core here), not by memory.
+constexpr int kMaxRows = 16;
+// How far ahead of the line being read W is prefetched, into L2. Without it two threads stream about
+// 26 GB/s at M = 1 (bench.py, gate_up); 4 KB ahead gives 29-31 GB/s, about what a bare read loop reaches
+// on this machine. Nearer distances, or prefetching into L1, do less. The prefetches run up to 4 KB past
+// the end of the packed weight, which is harmless (a prefetch never faults).
+constexpr int64_t kPrefetchBytes = 4096;
+
+#if defined(__AVX512BF16__)
+
+inline __m512i broadcast_pair(const at::BFloat16* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+// One block of 16 output columns for ROWS rows of x. U independent sets of sums over interleaved K pairs
+// hide the latency of vdpbf16ps when ROWS alone gives too few independent chains (fewer than 8 rows).
+// NOTE: the `GCC unroll` pragmas keep every sum in a register: past 16 iterations GCC stops unrolling the
+// row loops on its own, and acc[] then lives on the stack (twice as slow at 20 rows).
+template <int ROWS, int U>
+void block_kernel(const at::BFloat16* w, const at::BFloat16* x, int64_t ldx, int64_t pairs, const __m512 bias,
+                  at::BFloat16* y, int64_t ldy, __mmask16 cols) {
+  __m512 acc[U][ROWS];
+#pragma GCC unroll 32
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 32
+    for (int r = 0; r < ROWS; ++r) acc[u][r] = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + U <= pairs; p += U) {
+    for (int u = 0; u < U; ++u) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (p + u) * 2 * kBlock) + kPrefetchBytes, _MM_HINT_T1);
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (p + u) * 2 * kBlock);
+#pragma GCC unroll 32
+      for (int r = 0; r < ROWS; ++r)
+        acc[u][r] = _mm512_dpbf16_ps(acc[u][r], wv, (__m512bh)broadcast_pair(x + r * ldx + 2 * (p + u)));
+    }
+  }
+  for (; p < pairs; ++p) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + p * 2 * kBlock);
+#pragma GCC unroll 32
+    for (int r = 0; r < ROWS; ++r)
+      acc[0][r] = _mm512_dpbf16_ps(acc[0][r], wv, (__m512bh)broadcast_pair(x + r * ldx + 2 * p));
+  }
+#pragma GCC unroll 32
+  for (int r = 0; r < ROWS; ++r) {
+    __m512 sum = _mm512_add_ps(acc[0][r], bias);
+    for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][r]);
+    // vcvtneps2bf16 rounds to nearest even, as PyTorch's float -> bf16 conversion does.
+    _mm256_mask_storeu_epi16(y + r * ldy, cols, (__m256i)_mm512_cvtneps_pbh(sum));
+  }
+}
+
+using BlockFn = void (*)(const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, __m512, at::BFloat16*,
+                         int64_t, __mmask16);
+
+// About eight independent chains of sums in flight: vdpbf16ps has a latency of several cycles and the
+// loop issues about one per cycle.
+template <int ROWS>
+constexpr int unroll() {
+  return ROWS >= 8 ? 1 : (8 + ROWS - 1) / ROWS;
+}
+
+template <int... R>
+constexpr auto make_table(std::integer_sequence<int, R...>) {
+  return std::array<BlockFn, sizeof...(R)>{&block_kernel<R + 1, unroll<R + 1>()>...};
+}
+constexpr auto kKernels = make_table(std::make_integer_sequence<int, kMaxRows>{});
+
+void linear_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat16* w, int64_t pairs,
+                   int64_t n, const at::BFloat16* bias, at::BFloat16* y, int64_t ldy) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const int64_t chunks = (m + kMaxRows - 1) / kMaxRows;
+  const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), blocks));
+  // Each thread takes a contiguous run of blocks: one sequential stream of W, and the work is even when the
+  // blocks divide evenly (true for every SmolLM2 shape on two threads).
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+    for (int64_t b = b0; b < b1; ++b) {
+      const __mmask16 cols = static_cast<__mmask16>((1u << std::min<int64_t>(kBlock, n - b * kBlock)) - 1);
+      const at::BFloat16* wb = w + b * pairs * 2 * kBlock;
+      // The bias in float32, added before the one rounding (as oneDNN and F.linear do).
+      const __m512 bias_f32 =
+          bias == nullptr
+              ? _mm512_setzero_ps()
+              : _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cols, bias + b * kBlock)), 16));
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t r0 = m * c / chunks, rows = m * (c + 1) / chunks - r0;
+        kKernels[rows - 1](wb, x + r0 * ldx, ldx, pairs, bias_f32, y + r0 * ldy + b * kBlock, ldy, cols);
+      }
+    }
+  }
+}
+
+#endif  // __AVX512BF16__
+
+// W [N, K] -> [ceil(N/16), ceil(K/2), 16, 2] (see the layout above), padded with zeros.
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "weight must be [N, K] bf16");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t blocks = (n + kBlock - 1) / kBlock, pairs = (k + 1) / 2;
+  at::Tensor padded = at::zeros({blocks * kBlock, pairs * 2}, weight.options());
+  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+  return padded.view({blocks, kBlock, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// y = x @ W^T + bias for the W that pack_linear_weight packed; n is W's N (the packed copy is padded).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                  const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(2) == kBlock && packed.size(3) == 2,
+              "packed must be a weight from pack_linear_weight, [blocks, K/2, 16, 2] bf16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1, "x must be bf16 [..., K]");
+  const int64_t pairs = packed.size(1), k = x.size(-1);
+  TORCH_CHECK(k == 2 * pairs || k + 1 == 2 * pairs, "x has K = ", k, ", the packed weight ", 2 * pairs);
+  TORCH_CHECK(n > (packed.size(0) - 1) * kBlock && n <= packed.size(0) * kBlock, "n = ", n,
+              " does not match the packed weight");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 &&
+                                    bias->size(0) == n && bias->is_contiguous()),
+              "bias must be bf16 [", n, "]");
+  at::Tensor x2 = x.reshape({-1, k});
+  // The kernel reads x in whole pairs: an odd K gets a zero column (the packed weight has one too).
+  if (k % 2 != 0) x2 = at::constant_pad_nd(x2, {0, 1});
+  if (x2.stride(-1) != 1) x2 = x2.contiguous();
+  const int64_t m = x2.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y.view(out_shape);
+#if defined(__AVX512BF16__)
+  linear_avx512(x2.const_data_ptr<at::BFloat16>(), x2.stride(0), m, packed.const_data_ptr<at::BFloat16>(),
+                pairs, n, bias.has_value() ? bias->const_data_ptr<at::BFloat16>() : nullptr,
+                y.mutable_data_ptr<at::BFloat16>(), y.stride(0));
+#else
+  TORCH_CHECK(false, "this build has no AVX512_BF16 linear (see has_linear)");
+#endif
+  return y.view(out_shape);
+}
+
+bool has_linear() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -868,4 +1041,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of x");
   m.def("rotary_write_kv_", &rotary_write_kv_, "RoPE on q and k in place, then k and v into the cache");
+  m.def("pack_linear_weight", &pack_linear_weight, "Pack an nn.Linear weight [N, K] bf16 for linear");
+  m.def("linear", &linear, "y = x @ W^T + bias with W packed by pack_linear_weight; n is W's N");
+  m.def("has_linear", &has_linear, "Whether this build has the AVX-512 BF16 linear");
 }

@@ -10,7 +10,8 @@ What it replaces, and why: in stock PyTorch, attention gathers every sequence's 
 and widens them to float32 before two small batched matmuls, and each decoder layer runs about ninety
 small ops (RMSNorm alone is five). Here attention reads the paged cache in place (decode rows one by
 one; prompt chunks, on AVX-512, as tiled products with the bf16 dot-product instruction), and RMSNorm
-with its residual add, and RoPE with the KV write, are one pass each. Where the tiled path cannot run,
+with its residual add, and RoPE with the KV write, are one pass each. On AVX-512 BF16 it also has a
+linear layer for batches of few rows (decode), which streams the weights faster than oneDNN. Where the tiled path cannot run,
 long prompts take dense SDPA (reference.prefill_sequence), which beats the per-row kernel on them.
 """
 
@@ -33,6 +34,7 @@ from pagedserve.kernels.reference import copy_blocks, silu_mul, write_kv
 __all__ = [
     "add_rms_norm_",
     "copy_blocks",
+    "linear_kernels",
     "load",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -147,6 +149,14 @@ def rotary_write_kv_(
     slot_mapping: torch.Tensor,
 ) -> None:
     load().rotary_write_kv_(qk, value, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def linear_kernels() -> ModuleType | None:
+    """The extension when this build has its bf16 linear for batches of few rows (AVX-512 BF16:
+    `pack_linear_weight(weight)` once, then `linear(x, packed, out_features, bias)`), else None. The model
+    routes small batches of its prepacked linear layers through it (model.PackedLinear)."""
+    module = load()
+    return module if module.has_linear() else None
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

@@ -25,12 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 
-# The decoder's small pointwise ops run as PyTorch ops on the GPU.
-from pagedserve.kernels.reference import add_rms_norm_, rms_norm, rotate_, silu_mul
+# The decoder's small pointwise ops run as PyTorch ops on the GPU, and its linear layers are PyTorch's.
+from pagedserve.kernels.reference import add_rms_norm_, linear_kernels, rms_norm, rotate_, silu_mul
 
 __all__ = [
     "add_rms_norm_",
     "copy_blocks",
+    "linear_kernels",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",

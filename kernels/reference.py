@@ -310,3 +310,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up [T, 2I] (gate first) -> [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
+
+
+def linear_kernels() -> None:
+    """The ops' own linear layer for batches of few rows (see cpu_ops.linear_kernels); here none: the
+    model's linear layers are PyTorch's."""
+    return None

@@ -240,6 +240,69 @@ def test_rotary_write_kv_refuses_a_slot_outside_the_cache():
         cpu_ops.rotary_write_kv_(qk, v, cos, sin, k_cache, v_cache, torch.tensor([0, 8]))
 
 
+# ---- the linear layer of few rows ----------------------------------------------------------------------
+
+needs_linear = pytest.mark.skipif(cpu_ops.linear_kernels() is None, reason="no AVX-512 BF16 in this build")
+
+
+def _exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+@needs_linear
+@pytest.mark.parametrize(
+    ("rows", "n", "k"),
+    [(1, 960, 576), (3, 576, 1536), (8, 17, 63), (16, 3072, 576), (17, 15, 2), (26, 576, 576), (40, 33, 97)],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
+    # Products summed in float32, one rounding to bf16: within one bf16 step of the exact result (and
+    # float32 rounding where a sum cancels to near zero), and at
+    # least as close to it as PyTorch's own bf16 linear. Odd N and K exercise the padding of the packed
+    # copy; above 16 rows the kernel makes several passes over each block of the weight.
+    gen = torch.Generator().manual_seed(rows * n + k)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    kernels = cpu_ops.linear_kernels()
+    out = kernels.linear(x, kernels.pack_linear_weight(weight), n, b)
+    exact = _exact_linear(x, weight, b)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-4)
+    theirs = torch.nn.functional.linear(x, weight, b)
+    assert (out.double() - exact).abs().max() <= 1.001 * (theirs.double() - exact).abs().max() + 1e-6
+
+
+@needs_linear
+def test_linear_reads_strided_and_batched_inputs():
+    # The model hands it views (a slice of a fused projection) and any leading dimensions.
+    weight = torch.randn(48, 64).bfloat16()
+    kernels = cpu_ops.linear_kernels()
+    packed = kernels.pack_linear_weight(weight)
+    wide = torch.randn(2, 3, 100).bfloat16()
+    x = wide[..., 10:74]
+    assert not x.is_contiguous()
+    out = kernels.linear(x, packed, 48, None)
+    assert out.shape == (2, 3, 48)
+    torch.testing.assert_close(out.double(), _exact_linear(x, weight, None), rtol=2**-8, atol=1e-4)
+    assert kernels.linear(x[:0], packed, 48, None).shape == (0, 3, 48)
+
+
+@needs_linear
+def test_linear_refuses_mismatched_shapes():
+    kernels = cpu_ops.linear_kernels()
+    packed = kernels.pack_linear_weight(torch.randn(40, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="x has K = 32"):
+        kernels.linear(torch.randn(2, 32).bfloat16(), packed, 40, None)
+    with pytest.raises(RuntimeError, match="n = 60 does not match"):
+        kernels.linear(torch.randn(2, 64).bfloat16(), packed, 60, None)
+    with pytest.raises(RuntimeError, match="bias must be bf16"):
+        kernels.linear(torch.randn(2, 64).bfloat16(), packed, 40, torch.randn(39).bfloat16())
+    with pytest.raises(RuntimeError, match="packed must be a weight from pack_linear_weight"):
+        kernels.linear(torch.randn(2, 64).bfloat16(), torch.randn(40, 64).bfloat16(), 40, None)
+
+
 # ---- a whole model ------------------------------------------------------------------------------------
 
 

@@ -182,21 +182,41 @@ def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype, device: torch
     return torch.nn.utils.skip_init(nn.Linear, in_f, out_f, bias=bias, dtype=dtype, device=device)
 
 
+# Rows up to which a PackedLinear runs the C++ kernels' bf16 linear (decode batches) rather than
+# oneDNN's. Per call, weights from DRAM, 2 threads, AVX-512 BF16 EPYC, oneDNN / ours in ms: SmolLM2's
+# gate_up [3072 x 576] at 1 row 0.193 / 0.116, 8 rows 0.197 / 0.113, 16: 0.260 / 0.169, 32: 0.390 /
+# 0.324; its 30 layers and LM head at 1 row 14.2 / 8.6 ms, at 26 rows 25.4 / 19.0 ms. From about 48 rows
+# oneDNN is 5-10 % faster (prefill), so large batches keep its packed copy: the two copies cost the
+# weights' memory twice, bought by a 7 % faster mixed workload (232-237 against 218 output tokens/s,
+# `bench/compare_transformers.py --num-requests 24`) than with the C++ kernel alone.
+KERNEL_LINEAR_MAX_ROWS = 32
+
+
 class PackedLinear(nn.Module):
-    """A linear layer whose weight oneDNN has reordered once into its blocked layout for this CPU.
+    """A linear layer whose weight is reordered once into oneDNN's blocked layout for this CPU, and, where
+    the C++ CPU kernels have their bf16 linear, also into theirs for batches of few rows.
 
     NOTE: bf16 F.linear on CPU runs the same oneDNN kernels but reorders (or reads strided) the plain
     [out, in] weight on every call. Prepacked, single-token decode streams the weights about 1.7x faster
     (one 2-core AVX-512 BF16 EPYC, 1 thread, the default model's 30 layers from DRAM: 25.2 -> 14.8 ms)
-    and the LM head 6.4 -> 3.5 ms, with bit-identical results (batches of 1 to 512 rows checked)."""
+    and the LM head 6.4 -> 3.5 ms, with bit-identical results (batches of 1 to 512 rows checked). The C++
+    linear (kernels/cpu_ops.cpp) streams them faster still at few rows; see KERNEL_LINEAR_MAX_ROWS."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Any = None) -> None:
         super().__init__()
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)  # 1: decode's batch size
+        weight = weight.detach()
+        self.out_features = weight.shape[0]
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # 1: decode's batch size
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        # The kernels' copy is a buffer, not a parameter: the same weight, not another one.
+        self.kernels = kernels
+        rows_weight = None if kernels is None else kernels.pack_linear_weight(weight)
+        self.register_buffer("rows_weight", rows_weight, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows_weight is not None and x.shape[0] <= KERNEL_LINEAR_MAX_ROWS:
+            return self.kernels.linear(x, self.rows_weight, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
@@ -351,12 +371,13 @@ class CausalLM(nn.Module):
         """Replace every nn.Linear (and a tied LM head) with a PackedLinear; see can_pack_linears.
         A tied head gets a packed copy of the embedding matrix, tied_head (the lookup needs the plain one)."""
         assert can_pack_linears(self.dtype, self.device), (self.dtype, self.device)
+        kernels = get_ops(self.device).linear_kernels()
         for module in self.modules():
             for name, child in module.named_children():
                 if type(child) is nn.Linear:
-                    setattr(module, name, PackedLinear(child.weight, child.bias))
+                    setattr(module, name, PackedLinear(child.weight, child.bias, kernels))
         if self.lm_head is None:
-            self.tied_head = PackedLinear(self.embed_tokens.weight, None)
+            self.tied_head = PackedLinear(self.embed_tokens.weight, None, kernels)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         return (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
