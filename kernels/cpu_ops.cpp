@@ -186,6 +186,52 @@ inline void block_scores_avx512(const float* q, const float* rows, int64_t strid
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// block_scores of a bf16 query straight from bf16 K rows (no widening): each vdpbf16ps multiplies 32 head
+// dims of the query and a row (every product exact in float32, summed in float32); out is scaled after.
+template <int kVectors>
+inline void block_scores_bf16_avx512(const at::BFloat16* q, const at::BFloat16* rows, int64_t stride,
+                                     int64_t n, float scale, float* out) {
+  __m512bh qv[kVectors];
+  for (int c = 0; c < kVectors; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    __m512 partial[16];
+    for (int j = 0; j < 16; ++j) {
+      // Lanes past m repeat the last row and are never stored.
+      const at::BFloat16* row = rows + (j0 + std::min<int64_t>(j, m - 1)) * stride;
+      __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(row));
+      for (int c = 1; c < kVectors; ++c)
+        acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
+      partial[j] = acc;
+    }
+    _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << m) - 1),
+                          _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale)));
+  }
+}
+
+// Head sizes block_scores_bf16 takes.
+inline bool has_bf16_scores(int64_t size) {
+  return size == 32 || size == 64 || size == 96 || size == 128 || size == 256;
+}
+
+inline void block_scores_bf16(const at::BFloat16* q, const at::BFloat16* rows, int64_t stride, int64_t n,
+                              int64_t size, float scale, float* out) {
+  switch (size) {
+    case 32:
+      return block_scores_bf16_avx512<1>(q, rows, stride, n, scale, out);
+    case 64:
+      return block_scores_bf16_avx512<2>(q, rows, stride, n, scale, out);
+    case 96:
+      return block_scores_bf16_avx512<3>(q, rows, stride, n, scale, out);
+    case 128:
+      return block_scores_bf16_avx512<4>(q, rows, stride, n, scale, out);
+    default:
+      return block_scores_bf16_avx512<8>(q, rows, stride, n, scale, out);
+  }
+}
+#endif
+
 inline void block_scores(const float* q, const float* rows, int64_t stride, int64_t n, int64_t size,
                          float* out) {
 #if defined(__AVX512F__)
@@ -327,6 +373,13 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
   const int64_t num_tasks = num_chunks * splits;
   std::atomic<bool> bad{false};
   std::atomic<int64_t> bad_block{0};
+  // bf16 scores from the cache as it is, with the bf16 dot product (see block_scores_bf16), where the
+  // head size allows: K is then never widened (V still is, once per block for the group's queries).
+#if defined(__AVX512BF16__)
+  const bool raw_scores = std::is_same_v<T, c10::BFloat16> && has_bf16_scores(a.head_dim);
+#else
+  const bool raw_scores = false;
+#endif
 
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, num_tasks)))
   {
@@ -349,11 +402,12 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       }
       scores.resize(c.len * nq * span);
 
-      // Walks the blocks of one cache: widens each block's rows of heads h0 .. h1 into tile (while the
-      // next block is prefetched), then calls visit(v, rows, first, n) for every query vector v of every
-      // row that sees n > 0 of the block's positions (rows: that vector's kv head in the tile, first:
-      // the block's first position). False at a block id outside the cache.
-      const auto walk = [&](const T* cache, auto&& visit) {
+      // Walks the blocks of one cache: widens each block's rows of heads h0 .. h1 into tile when asked
+      // (while the next block is prefetched), then calls visit(v, rows, raw, first, n) for every query
+      // vector v of every row that sees n > 0 of the block's positions (rows: that vector's kv head in
+      // the tile, raw: the same rows in the cache, slot_stride apart; first: the block's first
+      // position). False at a block id outside the cache.
+      const auto walk = [&](const T* cache, bool widen, auto&& visit) {
         for (int64_t b = 0; b < used_blocks; ++b) {
           const int64_t block = table[b];
           if (block < 0 || block >= a.num_blocks || b >= a.table_width) {
@@ -364,19 +418,35 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
           if (b + 1 < used_blocks && table[b + 1] >= 0 && table[b + 1] < a.num_blocks)
             prefetch(cache + table[b + 1] * a.block_size * a.slot_stride, block_bytes);
           const int64_t first = b * a.block_size, end = std::min(a.block_size, span - first);
-          for (int64_t j = 0; j < end; ++j)
-            load_row(cache + (block * a.block_size + j) * a.slot_stride + h0 * a.head_dim, &tile[j * width],
-                     width);
+          const T* raw = cache + block * a.block_size * a.slot_stride + h0 * a.head_dim;
+          if (widen)
+            for (int64_t j = 0; j < end; ++j) load_row(raw + j * a.slot_stride, &tile[j * width], width);
           for (int64_t i = std::max<int64_t>(0, first - c.pos0); i < c.len; ++i) {
             const int64_t n = std::min(end, c.pos0 + i + 1 - first);  // positions of this block row i sees
-            for (int64_t r = 0; r < nq; ++r) visit(i * nq + r, &tile[r / a.group * a.head_dim], first, n);
+            for (int64_t r = 0; r < nq; ++r) {
+              const int64_t head = r / a.group * a.head_dim;
+              visit(i * nq + r, &tile[head], raw + head, first, n);
+            }
           }
         }
         return true;
       };
-      const bool valid = walk(a.k_ptr, [&](int64_t v, const float* k_rows, int64_t first, int64_t n) {
-        block_scores(&q[v * a.head_dim], k_rows, width, n, a.head_dim, &scores[v * span + first]);
-      });
+      const bool valid =
+          walk(a.k_ptr, !raw_scores,
+               [&](int64_t v, const float* k_rows, const T* k_raw, int64_t first, int64_t n) {
+#if defined(__AVX512BF16__)
+                 if constexpr (std::is_same_v<T, c10::BFloat16>) {
+                   if (raw_scores) {
+                     const T* q_raw =
+                         a.q_ptr + (c.row0 + v / nq) * a.q_stride + (h0 * a.group + v % nq) * a.head_dim;
+                     block_scores_bf16(q_raw, k_raw, a.slot_stride, n, a.head_dim, a.fscale,
+                                       &scores[v * span + first]);
+                     return;
+                   }
+                 }
+#endif
+                 block_scores(&q[v * a.head_dim], k_rows, width, n, a.head_dim, &scores[v * span + first]);
+               });
       if (!valid) continue;
 
       for (int64_t i = 0; i < c.len; ++i) {
@@ -386,7 +456,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         }
       }
       std::fill(acc.begin(), acc.begin() + c.len * nq * a.head_dim, 0.f);
-      walk(a.v_ptr, [&](int64_t v, const float* v_rows, int64_t first, int64_t n) {
+      walk(a.v_ptr, true, [&](int64_t v, const float* v_rows, const T*, int64_t first, int64_t n) {
         accumulate_rows(&acc[v * a.head_dim], &scores[v * span + first], v_rows, width, n, a.head_dim);
       });
       for (int64_t i = 0; i < c.len; ++i) {
