@@ -500,6 +500,7 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
                           at::Tensor& out) {
   const AttentionArgs<T> a(query, k_cache, v_cache, block_tables, scale, out);
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t row_bytes = a.head_dim * static_cast<int64_t>(sizeof(T));
   const int threads = std::max(1, at::get_num_threads());
   std::atomic<bool> bad{false};
   std::atomic<int64_t> bad_block{0};
@@ -556,6 +557,15 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         const int64_t first = b * a.block_size, n = std::min(a.block_size, last + 1 - first);
         const T* k_block = a.k_ptr + block * a.block_size * a.slot_stride + t.kv_head * a.head_dim;
         const T* v_block = a.v_ptr + block * a.block_size * a.slot_stride + t.kv_head * a.head_dim;
+        // The next block's rows of this kv head, on their way while this one is computed (it lies
+        // anywhere in the pool, and its rows are slot_stride apart).
+        if (b + 1 < used_blocks && table[b + 1] >= 0 && table[b + 1] < a.num_blocks) {
+          const int64_t next = table[b + 1] * a.block_size * a.slot_stride + t.kv_head * a.head_dim;
+          for (int64_t j = 0; j < a.block_size; ++j) {
+            prefetch(a.k_ptr + next + j * a.slot_stride, row_bytes);
+            prefetch(a.v_ptr + next + j * a.slot_stride, row_bytes);
+          }
+        }
         if constexpr (!kPairs)
           for (int64_t j = 0; j < n; ++j) {
             load_row(k_block + j * a.slot_stride, &kb[j * a.head_dim], a.head_dim);
