@@ -307,6 +307,59 @@ inline void accumulate_rows(float* acc, const float* w, const float* rows, int64
   }
 }
 
+#if defined(__AVX512BF16__)
+// accumulate_rows for the `vectors` query vectors of one kv head at once (acc and w of vector r at
+// acc + r * head size and w + r * w_stride), reading the bf16 V rows straight from the cache: each row
+// is widened in registers once for all of them.
+template <int kChunks, int kVectors>
+inline void accumulate_group_bf16_avx512(float* acc, const float* w, int64_t w_stride,
+                                         const at::BFloat16* rows, int64_t stride, int64_t n) {
+  __m512 a[kVectors][kChunks];
+  for (int r = 0; r < kVectors; ++r)
+    for (int c = 0; c < kChunks; ++c) a[r][c] = _mm512_loadu_ps(acc + r * 16 * kChunks + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 v[kChunks];
+    for (int c = 0; c < kChunks; ++c)
+      v[c] = _mm512_cvtpbh_ps(
+          (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + j * stride + 16 * c)));
+    for (int r = 0; r < kVectors; ++r) {
+      const __m512 wr = _mm512_set1_ps(w[r * w_stride + j]);
+      for (int c = 0; c < kChunks; ++c) a[r][c] = _mm512_fmadd_ps(wr, v[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < kVectors; ++r)
+    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + r * 16 * kChunks + 16 * c, a[r][c]);
+}
+
+// Head sizes accumulate_group_bf16 takes.
+inline bool has_bf16_values(int64_t size) { return size == 64 || size == 128; }
+
+// Up to 16 accumulator registers at a time: vectors in runs of 4 (head size 64) or 2 (128).
+inline void accumulate_group_bf16(float* acc, const float* w, int64_t w_stride, int64_t vectors,
+                                  const at::BFloat16* rows, int64_t stride, int64_t n, int64_t size) {
+  for (int64_t r = 0; r < vectors;) {
+    float* out = acc + r * size;
+    const float* wr = w + r * w_stride;
+    const int64_t left = vectors - r;
+    if (size == 64) {
+      if (left >= 4) {
+        accumulate_group_bf16_avx512<4, 4>(out, wr, w_stride, rows, stride, n), r += 4;
+      } else if (left == 3) {
+        accumulate_group_bf16_avx512<4, 3>(out, wr, w_stride, rows, stride, n), r += 3;
+      } else if (left == 2) {
+        accumulate_group_bf16_avx512<4, 2>(out, wr, w_stride, rows, stride, n), r += 2;
+      } else {
+        accumulate_group_bf16_avx512<4, 1>(out, wr, w_stride, rows, stride, n), r += 1;
+      }
+    } else if (left >= 2) {
+      accumulate_group_bf16_avx512<8, 2>(out, wr, w_stride, rows, stride, n), r += 2;
+    } else {
+      accumulate_group_bf16_avx512<8, 1>(out, wr, w_stride, rows, stride, n), r += 1;
+    }
+  }
+}
+#endif
+
 // Brings the bytes [ptr, ptr + bytes) towards the cache ahead of use: the next block of a sequence lies
 // anywhere in the pool, so the hardware prefetcher cannot guess it.
 inline void prefetch(const void* ptr, int64_t bytes) {
@@ -377,8 +430,9 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
   // head size allows: K is then never widened (V still is, once per block for the group's queries).
 #if defined(__AVX512BF16__)
   const bool raw_scores = std::is_same_v<T, c10::BFloat16> && has_bf16_scores(a.head_dim);
+  const bool raw_values = std::is_same_v<T, c10::BFloat16> && has_bf16_values(a.head_dim);
 #else
-  const bool raw_scores = false;
+  const bool raw_scores = false, raw_values = false;
 #endif
 
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, num_tasks)))
@@ -403,10 +457,11 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       scores.resize(c.len * nq * span);
 
       // Walks the blocks of one cache: widens each block's rows of heads h0 .. h1 into tile when asked
-      // (while the next block is prefetched), then calls visit(v, rows, raw, first, n) for every query
-      // vector v of every row that sees n > 0 of the block's positions (rows: that vector's kv head in
-      // the tile, raw: the same rows in the cache, slot_stride apart; first: the block's first
-      // position). False at a block id outside the cache.
+      // (while the next block is prefetched), then calls visit(v, rows, raw, first, n) for every row
+      // that sees n > 0 of the block's positions and every kv head: v is the first of the head's group
+      // of query vectors (the group is v .. v + group - 1), rows the head's rows in the tile, raw the
+      // same rows in the cache (slot_stride apart), first the block's first position. False at a block
+      // id outside the cache.
       const auto walk = [&](const T* cache, bool widen, auto&& visit) {
         for (int64_t b = 0; b < used_blocks; ++b) {
           const int64_t block = table[b];
@@ -423,29 +478,29 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
             for (int64_t j = 0; j < end; ++j) load_row(raw + j * a.slot_stride, &tile[j * width], width);
           for (int64_t i = std::max<int64_t>(0, first - c.pos0); i < c.len; ++i) {
             const int64_t n = std::min(end, c.pos0 + i + 1 - first);  // positions of this block row i sees
-            for (int64_t r = 0; r < nq; ++r) {
-              const int64_t head = r / a.group * a.head_dim;
-              visit(i * nq + r, &tile[head], raw + head, first, n);
-            }
+            for (int64_t kh = 0; kh < h1 - h0; ++kh)
+              visit(i * nq + kh * a.group, &tile[kh * a.head_dim], raw + kh * a.head_dim, first, n);
           }
         }
         return true;
       };
       const bool valid =
           walk(a.k_ptr, !raw_scores,
-               [&](int64_t v, const float* k_rows, const T* k_raw, int64_t first, int64_t n) {
+               [&](int64_t v0, const float* k_rows, const T* k_raw, int64_t first, int64_t n) {
+                 for (int64_t v = v0; v < v0 + a.group; ++v) {
 #if defined(__AVX512BF16__)
-                 if constexpr (std::is_same_v<T, c10::BFloat16>) {
-                   if (raw_scores) {
-                     const T* q_raw =
-                         a.q_ptr + (c.row0 + v / nq) * a.q_stride + (h0 * a.group + v % nq) * a.head_dim;
-                     block_scores_bf16(q_raw, k_raw, a.slot_stride, n, a.head_dim, a.fscale,
-                                       &scores[v * span + first]);
-                     return;
+                   if constexpr (std::is_same_v<T, c10::BFloat16>) {
+                     if (raw_scores) {
+                       const T* q_raw =
+                           a.q_ptr + (c.row0 + v / nq) * a.q_stride + (h0 * a.group + v % nq) * a.head_dim;
+                       block_scores_bf16(q_raw, k_raw, a.slot_stride, n, a.head_dim, a.fscale,
+                                         &scores[v * span + first]);
+                       continue;
+                     }
                    }
-                 }
 #endif
-                 block_scores(&q[v * a.head_dim], k_rows, width, n, a.head_dim, &scores[v * span + first]);
+                   block_scores(&q[v * a.head_dim], k_rows, width, n, a.head_dim, &scores[v * span + first]);
+                 }
                });
       if (!valid) continue;
 
@@ -456,9 +511,20 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         }
       }
       std::fill(acc.begin(), acc.begin() + c.len * nq * a.head_dim, 0.f);
-      walk(a.v_ptr, true, [&](int64_t v, const float* v_rows, const T*, int64_t first, int64_t n) {
-        accumulate_rows(&acc[v * a.head_dim], &scores[v * span + first], v_rows, width, n, a.head_dim);
-      });
+      walk(a.v_ptr, !raw_values,
+           [&](int64_t v0, const float* v_rows, const T* v_raw, int64_t first, int64_t n) {
+#if defined(__AVX512BF16__)
+             if constexpr (std::is_same_v<T, c10::BFloat16>) {
+               if (raw_values) {
+                 accumulate_group_bf16(&acc[v0 * a.head_dim], &scores[v0 * span + first], span, a.group,
+                                       v_raw, a.slot_stride, n, a.head_dim);
+                 return;
+               }
+             }
+#endif
+             for (int64_t v = v0; v < v0 + a.group; ++v)
+               accumulate_rows(&acc[v * a.head_dim], &scores[v * span + first], v_rows, width, n, a.head_dim);
+           });
       for (int64_t i = 0; i < c.len; ++i) {
         T* o = a.out_ptr + (c.row0 + i) * a.out_stride + h0 * a.group * a.head_dim;
         for (int64_t r = 0; r < nq; ++r) {
