@@ -937,6 +937,60 @@ at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tenso
   return rms_norm_any(x, delta, weight, eps);
 }
 
+// silu(gate) * up of gate_up [T, 2I] (gate first) -> [T, I], rounded where reference.silu_mul rounds: the
+// silu to the dtype, then the product. silu(g) = g / (1 + exp(-g)), with the exp above (PyTorch's differs
+// in the last float bit or two, which the rounding to bf16 or fp16 almost always absorbs).
+template <typename T>
+void silu_mul_impl(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t size) {
+  // Rows in chunks of about 16K values: one decode row runs on the calling thread, a prompt on all.
+  const int64_t grain = std::max<int64_t>(1, 16384 / size);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * x_stride;
+      const T* up = gate + size;
+      T* o = out + r * size;
+      int64_t i = 0;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        const auto widen = [](const T* p) {
+          return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        };
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (; i + 16 <= size; i += 16) {
+          const __m512 g = widen(gate + i);
+          const __m512 silu =
+              _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+          const __m512 rounded = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(silu));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(rounded, widen(up + i))));
+        }
+      }
+#endif
+      for (; i < size; ++i) {
+        float e = -static_cast<float>(gate[i]);
+        exp_inplace(&e, 1);
+        const float silu = round_to<T>(static_cast<float>(gate[i]) / (1.f + e));
+        o[i] = static_cast<T>(silu * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0 && gate_up.stride(-1) == 1,
+              "gate_up must be [..., 2 * I] with a contiguous last dimension");
+  const int64_t size = gate_up.size(-1) / 2;
+  const at::Tensor rows = gate_up.reshape({-1, 2 * size});
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() = size;
+  at::Tensor out = at::empty(shape, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    silu_mul_impl<scalar_t>(rows.data_ptr<scalar_t>(), rows.stride(0), out.data_ptr<scalar_t>(), rows.size(0),
+                            size);
+  });
+  return out;
+}
+
 // Neox RoPE on the query and key heads of qk [T, Hq + Hkv, D] in place, then the rotated keys and the
 // values v [T, Hkv, D] written into the cache at slot_mapping (negative slots skipped). cos and sin are
 // [T, 1, D] rows of (cos, cos) and (-sin, sin); a head x becomes x * cos + (x2, x1) * sin, each product
@@ -1185,6 +1239,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_", &paged_attention_,
         "Causal attention of a flat token batch over the paged KV cache");
   m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up [..., 2 * I], gate first");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of x");
   m.def("rotary_write_kv_", &rotary_write_kv_, "RoPE on q and k in place, then k and v into the cache");
   m.def("pack_linear_weight", &pack_linear_weight, "Pack an nn.Linear weight [N, K] bf16 for linear");
