@@ -26,7 +26,7 @@ from types import ModuleType
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.kernels.reference import copy_blocks, write_kv
+from pagedserve.kernels.reference import write_kv
 
 __all__ = [
     "add_rms_norm_",
@@ -134,6 +134,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return load().add_rms_norm_(x, delta, weight, eps)
+
+
+def copy_blocks(
+    k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    assert len(k_caches) == len(v_caches) and src.shape == dst.shape and src.dim() == 1
+    load().copy_blocks_([*k_caches, *v_caches], src.to(torch.int64), dst.to(torch.int64))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

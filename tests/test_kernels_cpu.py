@@ -10,10 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 from test_kernels_reference import (
+    COPY_CASES,
     DECODE_PARAMS,
     PREFILL_PARAMS,
     Case,
     assert_matches_oracle,
+    check_copy_blocks_in_order,
     check_decode_against_oracle,
     check_mixed_prefill_against_oracle,
     oracle,
@@ -251,6 +253,20 @@ def test_rotary_write_kv_refuses_a_slot_outside_the_cache():
     k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
     with pytest.raises(RuntimeError, match="slot 8 is outside the cache"):
         cpu_ops.rotary_write_kv_(qk, v, cos, sin, k_cache, v_cache, torch.tensor([0, 8]))
+
+
+# ---- block copies ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("src", "dst"), COPY_CASES)
+def test_copy_blocks_in_order_in_every_layer(src, dst):
+    check_copy_blocks_in_order(cpu_ops, src, dst)
+
+
+def test_copy_blocks_refuses_a_block_outside_the_cache():
+    k, v = [torch.zeros(4, 2, 1, 8)], [torch.zeros(4, 2, 1, 8)]
+    with pytest.raises(RuntimeError, match="copy 1 -> 4 is outside the cache"):
+        cpu_ops.copy_blocks(k, v, torch.tensor([1]), torch.tensor([4]))
 
 
 # ---- the linear layer of few rows ----------------------------------------------------------------------

@@ -278,24 +278,29 @@ def random_caches(num_layers: int, num_blocks: int, seed: int) -> tuple[list, li
     return k, v
 
 
-@pytest.mark.parametrize(
-    ("src", "dst"),
-    [
-        pytest.param([3, 0, 5], [1, 7, 2], id="independent"),
-        pytest.param([0, 1], [1, 2], id="chain-dst-used-as-src-later"),
-        pytest.param([1, 0], [2, 1], id="read-before-overwrite"),
-        pytest.param([2, 4], [5, 5], id="last-write-wins"),
-        pytest.param([0, 1], [1, 0], id="swap-is-not-a-swap"),
-        pytest.param([3, 3], [3, 6], id="copy-onto-itself"),
-        pytest.param([], [], id="empty"),
-    ],
-)
-def test_copy_blocks_in_order_in_every_layer(src, dst):
+COPY_CASES = [
+    pytest.param([3, 0, 5], [1, 7, 2], id="independent"),
+    pytest.param([0, 1], [1, 2], id="chain-dst-used-as-src-later"),
+    pytest.param([1, 0], [2, 1], id="read-before-overwrite"),
+    pytest.param([2, 4], [5, 5], id="last-write-wins"),
+    pytest.param([0, 1], [1, 0], id="swap-is-not-a-swap"),
+    pytest.param([3, 3], [3, 6], id="copy-onto-itself"),
+    pytest.param([], [], id="empty"),
+]
+
+
+def check_copy_blocks_in_order(ops, src: list[int], dst: list[int]) -> None:
+    """ops.copy_blocks over 3 layers against the copies done one by one."""
     k, v = random_caches(3, 8, seed=len(src))
     expected_k, expected_v = copy_in_order(k, src, dst), copy_in_order(v, src, dst)
-    reference.copy_blocks(k, v, torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64))
+    ops.copy_blocks(k, v, torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64))
     for got, want in zip(k + v, expected_k + expected_v, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("src", "dst"), COPY_CASES)
+def test_copy_blocks_in_order_in_every_layer(src, dst):
+    check_copy_blocks_in_order(reference, src, dst)
 
 
 def test_copy_blocks_chain_passes_on_the_new_content():
