@@ -308,6 +308,11 @@ inline void accumulate_rows(float* acc, const float* w, const float* rows, int64
 }
 
 #if defined(__AVX512BF16__)
+// 16 bf16 values widened to float32 (exactly: a bf16 is a float32's upper half).
+inline __m512 load16_bf16(const at::BFloat16* p) {
+  return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // accumulate_rows for the `vectors` query vectors of one kv head at once (acc and w of vector r at
 // acc + r * head size and w + r * w_stride), reading the bf16 V rows straight from the cache: each row
 // is widened in registers once for all of them.
@@ -319,9 +324,7 @@ inline void accumulate_group_bf16_avx512(float* acc, const float* w, int64_t w_s
     for (int c = 0; c < kChunks; ++c) a[r][c] = _mm512_loadu_ps(acc + r * 16 * kChunks + 16 * c);
   for (int64_t j = 0; j < n; ++j) {
     __m512 v[kChunks];
-    for (int c = 0; c < kChunks; ++c)
-      v[c] = _mm512_cvtpbh_ps(
-          (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + j * stride + 16 * c)));
+    for (int c = 0; c < kChunks; ++c) v[c] = load16_bf16(rows + j * stride + 16 * c);
     for (int r = 0; r < kVectors; ++r) {
       const __m512 wr = _mm512_set1_ps(w[r * w_stride + j]);
       for (int c = 0; c < kChunks; ++c) a[r][c] = _mm512_fmadd_ps(wr, v[c], a[r][c]);
@@ -410,6 +413,25 @@ struct AttentionArgs {
   const int32_t* tables;
   T* out_ptr;
   const float fscale;
+
+  // Whether entry b of a block table, holding block, may be read: inside the cache and the table.
+  bool valid_block(int64_t block, int64_t b) const {
+    return block >= 0 && block < num_blocks && b < table_width;
+  }
+};
+
+// The first bad block table entry the threads of a kernel met, reported once they are done.
+struct BadBlock {
+  std::atomic<bool> seen{false};
+  std::atomic<int64_t> block{0};
+  void report(int64_t id) {
+    block.store(id);
+    seen.store(true);
+  }
+  void check(int64_t num_blocks) const {
+    TORCH_CHECK(!seen.load(), "block table entry ", block.load(), " is outside the cache (", num_blocks,
+                " blocks) or past the table's width");
+  }
 };
 
 template <typename T>
@@ -424,8 +446,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
   const int64_t splits = std::min<int64_t>(a.num_kv_heads, (threads + num_chunks - 1) / num_chunks);
   const int64_t heads_per_task = (a.num_kv_heads + splits - 1) / splits;
   const int64_t num_tasks = num_chunks * splits;
-  std::atomic<bool> bad{false};
-  std::atomic<int64_t> bad_block{0};
+  BadBlock bad;
   // bf16 scores from the cache as it is, with the bf16 dot product (see block_scores_bf16), where the
   // head size allows: K is then never widened (V still is, once per block for the group's queries).
 #if defined(__AVX512BF16__)
@@ -465,12 +486,11 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       const auto walk = [&](const T* cache, bool widen, auto&& visit) {
         for (int64_t b = 0; b < used_blocks; ++b) {
           const int64_t block = table[b];
-          if (block < 0 || block >= a.num_blocks || b >= a.table_width) {
-            bad_block.store(block);
-            bad.store(true);
+          if (!a.valid_block(block, b)) {
+            bad.report(block);
             return false;
           }
-          if (b + 1 < used_blocks && table[b + 1] >= 0 && table[b + 1] < a.num_blocks)
+          if (b + 1 < used_blocks && a.valid_block(table[b + 1], b + 1))
             prefetch(cache + table[b + 1] * a.block_size * a.slot_stride, block_bytes);
           const int64_t first = b * a.block_size, end = std::min(a.block_size, span - first);
           const T* raw = cache + block * a.block_size * a.slot_stride + h0 * a.head_dim;
@@ -535,8 +555,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       }
     }
   }
-  TORCH_CHECK(!bad.load(), "block table entry ", bad_block.load(), " is outside the cache (", a.num_blocks,
-              " blocks) or past the table's width");
+  bad.check(a.num_blocks);
 }
 
 // ---- tiled attention for query blocks (prefill) ---------------------------------------------------------
@@ -568,8 +587,7 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int64_t row_bytes = a.head_dim * static_cast<int64_t>(sizeof(T));
   const int threads = std::max(1, at::get_num_threads());
-  std::atomic<bool> bad{false};
-  std::atomic<int64_t> bad_block{0};
+  BadBlock bad;
   // bf16 scores straight from the cache with the bf16 dot product instruction (each product exact in
   // float32, summed in float32), two head dims per step; other dtypes widen K first.
 #if defined(__AVX512BF16__)
@@ -614,9 +632,8 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       bool valid = true;
       for (int64_t b = 0; b < used_blocks; ++b) {
         const int64_t block = table[b];
-        if (block < 0 || block >= a.num_blocks || b >= a.table_width) {
-          bad_block.store(block);
-          bad.store(true);
+        if (!a.valid_block(block, b)) {
+          bad.report(block);
           valid = false;
           break;
         }
@@ -625,7 +642,7 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         const T* v_block = a.v_ptr + block * a.block_size * a.slot_stride + t.kv_head * a.head_dim;
         // The next block's rows of this kv head, on their way while this one is computed (it lies
         // anywhere in the pool, and its rows are slot_stride apart).
-        if (b + 1 < used_blocks && table[b + 1] >= 0 && table[b + 1] < a.num_blocks) {
+        if (b + 1 < used_blocks && a.valid_block(table[b + 1], b + 1)) {
           const int64_t next = table[b + 1] * a.block_size * a.slot_stride + t.kv_head * a.head_dim;
           for (int64_t j = 0; j < a.block_size; ++j) {
             prefetch(a.k_ptr + next + j * a.slot_stride, row_bytes);
@@ -780,8 +797,7 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       }
     }
   }
-  TORCH_CHECK(!bad.load(), "block table entry ", bad_block.load(), " is outside the cache (", a.num_blocks,
-              " blocks) or past the table's width");
+  bad.check(a.num_blocks);
 }
 #endif
 
@@ -952,17 +968,14 @@ void silu_mul_impl(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t s
       int64_t i = 0;
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        const auto widen = [](const T* p) {
-          return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-        };
         const __m512 one = _mm512_set1_ps(1.f);
         for (; i + 16 <= size; i += 16) {
-          const __m512 g = widen(gate + i);
+          const __m512 g = load16_bf16(gate + i);
           const __m512 silu =
               _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
           const __m512 rounded = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(silu));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(rounded, widen(up + i))));
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(rounded, load16_bf16(up + i))));
         }
       }
 #endif
@@ -1001,15 +1014,15 @@ void copy_blocks_(const std::vector<at::Tensor>& caches, const at::Tensor& src, 
   const at::Tensor s = src.contiguous(), d = dst.contiguous();
   const int64_t* from = s.data_ptr<int64_t>();
   const int64_t* to = d.data_ptr<int64_t>();
-  for (const at::Tensor& cache : caches) {
+  if (caches.empty() || s.numel() == 0) return;
+  for (const at::Tensor& cache : caches)
     TORCH_CHECK(cache.is_contiguous() && cache.dim() >= 1 && cache.sizes() == caches[0].sizes() &&
                     cache.scalar_type() == caches[0].scalar_type(),
                 "the caches must be contiguous and alike");
-    for (int64_t i = 0; i < s.numel(); ++i)
-      TORCH_CHECK(from[i] >= 0 && from[i] < cache.size(0) && to[i] >= 0 && to[i] < cache.size(0), "copy ",
-                  from[i], " -> ", to[i], " is outside the cache (", cache.size(0), " blocks)");
-  }
-  if (caches.empty() || s.numel() == 0) return;
+  const int64_t num_blocks = caches[0].size(0);  // the same in every cache, as just checked
+  for (int64_t i = 0; i < s.numel(); ++i)
+    TORCH_CHECK(from[i] >= 0 && from[i] < num_blocks && to[i] >= 0 && to[i] < num_blocks, "copy ", from[i],
+                " -> ", to[i], " is outside the cache (", num_blocks, " blocks)");
   const int64_t block_bytes = caches[0].stride(0) * caches[0].element_size();
   at::parallel_for(0, static_cast<int64_t>(caches.size()), 8, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
