@@ -31,6 +31,7 @@ from pagedserve.kernels.reference import write_kv
 __all__ = [
     "add_rms_norm_",
     "copy_blocks",
+    "decoder_stack",
     "linear_kernels",
     "load",
     "paged_decode_attention",
@@ -168,6 +169,13 @@ def linear_kernels() -> ModuleType | None:
     routes small batches of its prepacked linear layers through it (model.PackedLinear)."""
     module = load()
     return module if module.has_linear() else None
+
+
+def decoder_stack(**shape: object) -> object:
+    """A DecoderStack of the extension (needs linear_kernels()): a decoder's layers run in one call, over
+    weights packed by its pack_linear_weight. `shape`: hidden, intermediate, num_heads, num_kv_heads,
+    head_dim, eps, scale and final_norm; layers are added with add_layer (model.CausalLM builds it)."""
+    return load().DecoderStack(min_tile_lanes=TILE_MIN_LANES, **shape)
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

@@ -222,6 +222,30 @@ def test_bf16_loader_packs_linears_without_changing_the_logits(tmp_path, monkeyp
     assert torch.equal(logits[0], logits[1])
 
 
+@needs_packing
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_decoder_stack_computes_the_python_loops_bits(tmp_path, family):
+    """The C++ DecoderStack (batches of up to KERNEL_LINEAR_MAX_ROWS rows) against the model's own layer
+    loop, on prompt chunks, a mixed step and decode steps: the same kernels in the same order."""
+    _save_tiny_hf_model(FAMILIES[family](), tmp_path)
+    model = load_model(tmp_path, torch.bfloat16, "cpu")
+    if model.stack is None:
+        pytest.skip("this CPU build has no AVX-512 BF16 linear, so no DecoderStack")
+    stack = model.stack
+    gen = torch.Generator().manual_seed(5)
+    tokens = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (40, 30)]
+    steps = [[(0, 0, 9), (1, 0, 20)], [(1, 20, 21), (0, 9, 30)], [(0, 30, 31), (1, 21, 22)], [(1, 22, 23)]]
+    runs = []
+    for use_stack in (True, False):
+        model.stack = stack if use_stack else None
+        cache = PagedCache(model, 2, block_size=4, seed=2)
+        runs.append([cache.run(model, tokens, chunks) for chunks in steps])
+        runs[-1].append(torch.cat([k for k, _ in cache.kv_caches] + [v for _, v in cache.kv_caches]))
+    model.stack = stack
+    for got, expected in zip(*runs, strict=True):
+        assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+
+
 def test_loader_refuses_pickle_checkpoints(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(FAMILIES["mistral_untied"]().to_dict()))
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
