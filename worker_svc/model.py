@@ -182,14 +182,16 @@ def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype, device: torch
     return torch.nn.utils.skip_init(nn.Linear, in_f, out_f, bias=bias, dtype=dtype, device=device)
 
 
-# Rows up to which a PackedLinear runs the C++ kernels' bf16 linear (decode batches) rather than
-# oneDNN's. Per call, weights from DRAM, 2 threads, AVX-512 BF16 EPYC, oneDNN / ours in ms: SmolLM2's
-# gate_up [3072 x 576] at 1 row 0.193 / 0.116, 8 rows 0.197 / 0.113, 16: 0.260 / 0.169, 32: 0.390 /
-# 0.324; its 30 layers and LM head at 1 row 14.2 / 8.6 ms, at 26 rows 25.4 / 19.0 ms. From about 48 rows
-# oneDNN is 5-10 % faster (prefill), so large batches keep its packed copy: the two copies cost the
-# weights' memory twice, bought by a 7 % faster mixed workload (232-237 against 218 output tokens/s,
-# `bench/compare_transformers.py --num-requests 24`) than with the C++ kernel alone.
-KERNEL_LINEAR_MAX_ROWS = 32
+# Rows up to which a PackedLinear runs the C++ kernels' bf16 linear rather than oneDNN's, and the model
+# runs its layers in the kernels' DecoderStack. Per call, weights from DRAM, 2 threads, AVX-512 BF16 EPYC,
+# oneDNN / ours in ms: SmolLM2's gate_up [3072 x 576] at 1 row 0.193 / 0.116, 16 rows 0.234 / 0.187,
+# 32: 0.366 / 0.339, 64: 0.627 / 0.629, 96: 0.883 / 0.914; o_proj [576 x 576] at 48 rows 0.121 / 0.096.
+# Whole decode steps (the model's 30 layers, context 300, alternating step by step) with the stack and
+# ours against the Python loop and oneDNN: 40 rows 64.5 -> 50.2 ms, 48: 74.5 -> 58.9, 96: 139.6 ->
+# 120.9, 128: 159.1 -> 151.7; with more rows the stack loses (256: 319 -> 335 ms), as do prompt steps
+# (128 tokens 83.6 / 82.8 ms, 200: 132.6 / 137.9, 2000: 1247 / 1395). So large batches keep oneDNN's
+# packed copy: the two copies cost the weights' memory twice, bought by those numbers.
+KERNEL_LINEAR_MAX_ROWS = 128
 
 
 class PackedLinear(nn.Module):
