@@ -405,6 +405,8 @@ struct RowChunk {
   int64_t seq, row0, pos0, len;
 };
 constexpr int64_t kChunkRows = 8;
+// Most score floats a thread keeps between calls (256 KB).
+constexpr size_t kKeptScores = 64 * 1024;
 
 // One task is one chunk of rows and a range of kv heads (all of them unless there are fewer chunks than
 // threads): the query heads of those kv heads score every position their row sees (0 .. its own
@@ -488,8 +490,13 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, num_tasks)))
   {
     const int64_t max_q = kChunkRows * heads_per_task * a.group;  // query vectors of one task
-    std::vector<float> q(max_q * a.head_dim), tile(a.block_size * heads_per_task * a.head_dim),
-        acc(max_q * a.head_dim), inv_sum(max_q), scores;
+    // Each thread's buffers outlive the call: a decode step calls this once per layer, and allocating
+    // and zeroing them every time cost about 2 us a call.
+    thread_local std::vector<float> q, tile, acc, inv_sum, scores;
+    q.resize(std::max<size_t>(q.size(), max_q * a.head_dim));
+    tile.resize(std::max<size_t>(tile.size(), a.block_size * heads_per_task * a.head_dim));
+    acc.resize(std::max<size_t>(acc.size(), max_q * a.head_dim));
+    inv_sum.resize(std::max<size_t>(inv_sum.size(), max_q));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
       const RowChunk& c = chunks[task / splits];
@@ -504,7 +511,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         for (int64_t e = 0; e < nq * a.head_dim; ++e)
           q[i * nq * a.head_dim + e] = static_cast<float>(q_row[e]) * a.fscale;
       }
-      scores.resize(c.len * nq * span);
+      scores.resize(std::max<size_t>(scores.size(), c.len * nq * span));
 
       // Walks the blocks of one cache: widens each block's rows of heads h0 .. h1 into tile when asked,
       // then calls visit(v, rows, raw, first, n) for every row
@@ -600,6 +607,8 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         }
       }
     }
+    // The scores of a long prompt's rows (up to rows x heads x context floats) are not kept.
+    if (scores.size() > kKeptScores) std::vector<float>().swap(scores);
   }
   bad.check(a.num_blocks);
 }
