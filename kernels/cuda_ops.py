@@ -25,11 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 
-# The decoder's small pointwise ops run as PyTorch ops on the GPU, and its linear layers are PyTorch's.
-from pagedserve.kernels.reference import add_rms_norm_, linear_kernels, rms_norm, rotate_, silu_mul
+# The decoder's small pointwise ops and the sampler's argmax run as PyTorch ops on the GPU, and its
+# linear layers are PyTorch's.
+from pagedserve.kernels.reference import add_rms_norm_, argmax, linear_kernels, rms_norm, rotate_, silu_mul
 
 __all__ = [
     "add_rms_norm_",
+    "argmax",
     "copy_blocks",
     "linear_kernels",
     "paged_decode_attention",

@@ -312,6 +312,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the largest value of each row of x [R, V] (the first where several are equal; a NaN
+    counts as the largest), int64 [R]: torch.argmax over the last dimension."""
+    return x.argmax(dim=-1)
+
+
 def linear_kernels() -> None:
     """The ops' own linear layer for batches of few rows (see cpu_ops.linear_kernels); here none: the
     model's linear layers are PyTorch's."""

@@ -274,6 +274,36 @@ def test_copy_blocks_refuses_a_block_outside_the_cache():
         cpu_ops.copy_blocks(k, v, torch.tensor([1]), torch.tensor([4]))
 
 
+# ---- the sampler's argmax ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 31, 49152])
+def test_argmax_is_torchs_on_ties_infinities_and_nans(n):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(10, n, generator=gen)
+    # Row 1: the largest value twice (the first counts); row 2: all equal; row 3: all -inf (index 0);
+    # row 4: a NaN after the largest value, row 5: one in the last place; row 6: +inf twice; row 7: the
+    # largest value in the last place; rows 8-9 as drawn.
+    x[1, n // 3] = x[1, -1] = 9.0
+    x[2] = 0.5
+    x[3] = float("-inf")
+    x[4, n // 2] = float("nan")
+    x[5, -1] = float("nan")
+    x[6, n // 4] = x[6, -1] = float("inf")
+    x[7, -1] = 100.0
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
+    # A row view with a gap between rows, and rows of logits as the sampler sees them.
+    wide = torch.randn(4, n + 7, generator=gen)[:, :n]
+    assert torch.equal(cpu_ops.argmax(wide), wide.argmax(dim=-1))
+
+
+def test_argmax_of_anything_else_is_torchs():
+    x = torch.randn(6, 40).bfloat16()
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
+    t = torch.randn(40, 6).T
+    assert torch.equal(cpu_ops.argmax(t), t.argmax(dim=-1))
+
+
 # ---- the linear layer of few rows ----------------------------------------------------------------------
 
 needs_linear = pytest.mark.skipif(cpu_ops.linear_kernels() is None, reason="no AVX-512 BF16 in this build")

@@ -324,7 +324,7 @@ def test_copy_blocks_random_overlapping_sequences(seed):
 
 
 OPS = ("write_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "rms_norm")
-OPS += ("add_rms_norm_", "rotary_write_kv_", "silu_mul", "linear_kernels")
+OPS += ("add_rms_norm_", "rotary_write_kv_", "silu_mul", "linear_kernels", "argmax")
 
 
 @pytest.fixture
