@@ -661,6 +661,7 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         pp(kPairs ? max_pairs * kTileLanes : 0), vp(kPairs ? max_pairs * a.head_dim : 0);
     std::vector<float> qt(kPairs ? 0 : a.head_dim * kTileLanes), kb(kPairs ? 0 : a.block_size * a.head_dim),
         vb(kPairs ? 0 : a.block_size * a.head_dim), s(a.block_size * kTileLanes), ot(a.head_dim * kTileLanes);
+    std::vector<uint16_t> ob(kPairs ? a.head_dim * kTileLanes : 0);  // bf16: the output, rounded, [d][lane]
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
       const QueryTile& t = tasks[task];
@@ -845,10 +846,28 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       alignas(64) float inv[kTileLanes];
       _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum0));
       _mm512_store_ps(inv + 16, _mm512_div_ps(_mm512_set1_ps(1.f), sum1));
+      if constexpr (kPairs) {
+        // Scaled and rounded 16 lanes at a time (vcvtneps2bf16 rounds as c10's conversion does), then
+        // copied out transposed: the scalar rounding of 2048 values cost as much as the products of a
+        // short prompt's tile.
+        const __m512 inv0 = _mm512_load_ps(inv), inv1 = _mm512_load_ps(inv + 16);
+        for (int64_t d = 0; d < a.head_dim; ++d) {
+          const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(&ot[d * kTileLanes]), inv0);
+          const __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(&ot[d * kTileLanes + 16]), inv1);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(&ob[d * kTileLanes]),
+                              (__m256i)_mm512_cvtneps_pbh(x0));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(&ob[d * kTileLanes + 16]),
+                              (__m256i)_mm512_cvtneps_pbh(x1));
+        }
+      }
       for (int64_t lane = 0; lane < lanes; ++lane) {
         T* o = a.out_ptr + (t.row0 + lane / a.group) * a.out_stride +
                (t.kv_head * a.group + lane % a.group) * a.head_dim;
-        for (int64_t d = 0; d < a.head_dim; ++d) o[d] = static_cast<T>(ot[d * kTileLanes + lane] * inv[lane]);
+        if constexpr (kPairs)
+          for (int64_t d = 0; d < a.head_dim; ++d) std::memcpy(o + d, &ob[d * kTileLanes + lane], sizeof(T));
+        else
+          for (int64_t d = 0; d < a.head_dim; ++d)
+            o[d] = static_cast<T>(ot[d * kTileLanes + lane] * inv[lane]);
       }
     }
   }
