@@ -506,7 +506,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       const int64_t span = c.pos0 + c.len;  // positions the last row sees
       const int64_t used_blocks = (span + a.block_size - 1) / a.block_size;
       // Vector v = i * nq + r is row i's query head h0 * a.group + r; its scores start at v * span.
-      for (int64_t i = 0; i < c.len; ++i) {
+      for (int64_t i = 0; i < c.len && !raw_scores; ++i) {  // raw scores read the bf16 query itself
         const T* q_row = a.q_ptr + (c.row0 + i) * a.q_stride + h0 * a.group * a.head_dim;
         for (int64_t e = 0; e < nq * a.head_dim; ++e)
           q[i * nq * a.head_dim + e] = static_cast<float>(q_row[e]) * a.fscale;
@@ -602,7 +602,18 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         T* o = a.out_ptr + (c.row0 + i) * a.out_stride + h0 * a.group * a.head_dim;
         for (int64_t r = 0; r < nq; ++r) {
           const int64_t v = i * nq + r;
-          for (int64_t d = 0; d < a.head_dim; ++d)
+          int64_t d = 0;
+#if defined(__AVX512BF16__)
+          // 16 at a time: vcvtneps2bf16 rounds as c10's conversion does, which GCC leaves scalar.
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {
+            const __m512 inv = _mm512_set1_ps(inv_sum[v]);
+            for (; d + 16 <= a.head_dim; d += 16)
+              _mm256_storeu_si256(
+                  reinterpret_cast<__m256i*>(o + r * a.head_dim + d),
+                  (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(&acc[v * a.head_dim + d]), inv)));
+          }
+#endif
+          for (; d < a.head_dim; ++d)
             o[r * a.head_dim + d] = static_cast<T>(acc[v * a.head_dim + d] * inv_sum[v]);
         }
       }
