@@ -317,14 +317,25 @@ def _exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @needs_linear
 @pytest.mark.parametrize(
     ("rows", "n", "k"),
-    [(1, 960, 576), (3, 576, 1536), (8, 17, 63), (16, 3072, 576), (17, 15, 2), (26, 576, 576), (40, 33, 97)],
+    [
+        (1, 960, 576),
+        (3, 576, 1536),
+        (8, 17, 63),
+        (16, 3072, 576),
+        (17, 15, 2),
+        (26, 576, 576),
+        (40, 33, 97),
+        (64, 200, 96),
+        (128, 576, 64),
+    ],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
     # Products summed in float32, one rounding to bf16: within one bf16 step of the exact result (and
     # float32 rounding where a sum cancels to near zero), and at
     # least as close to it as PyTorch's own bf16 linear. Odd N and K exercise the padding of the packed
-    # copy; above 16 rows the kernel makes several passes over each block of the weight.
+    # copy; above 16 rows the kernel makes several passes over each block of the weight, from 32 rows over
+    # pairs of blocks (an odd block left over on a thread).
     gen = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
