@@ -64,8 +64,9 @@ def measure_copy_bandwidth(num_bytes: int = 512 * 1024 * 1024, repeats: int = 5)
 def flops_per_token(model, context: int) -> float:
     """Multiply-adds of one decode token: every weight matrix once, plus attention over the context."""
     cfg = model.config
+    # Every weight matrix, packed or not (the C++ kernels' copies are [N / 16, K / 2, 16, 2]).
     matmul_params = sum(
-        p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name
+        p.numel() for name, p in model.named_parameters() if p.dim() >= 2 and "embed_tokens" not in name
     )
     if cfg.tie_word_embeddings and model.tied_head is None:  # the embedding matrix, as the head
         matmul_params += cfg.vocab_size * cfg.hidden_size

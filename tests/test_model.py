@@ -225,8 +225,8 @@ def test_bf16_loader_packs_linears_without_changing_the_logits(tmp_path, monkeyp
 @needs_packing
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_decoder_stack_computes_the_python_loops_bits(tmp_path, family):
-    """The C++ DecoderStack (batches of up to KERNEL_LINEAR_MAX_ROWS rows) against the model's own layer
-    loop, on prompt chunks, a mixed step and decode steps: the same kernels in the same order."""
+    """The C++ DecoderStack against the model's own layer loop, on prompt chunks, a mixed step and
+    decode steps: the same kernels in the same order."""
     _save_tiny_hf_model(FAMILIES[family](), tmp_path)
     model = load_model(tmp_path, torch.bfloat16, "cpu")
     if model.stack is None:

@@ -182,43 +182,37 @@ def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype, device: torch
     return torch.nn.utils.skip_init(nn.Linear, in_f, out_f, bias=bias, dtype=dtype, device=device)
 
 
-# Rows up to which a PackedLinear runs the C++ kernels' bf16 linear rather than oneDNN's, and the model
-# runs its layers in the kernels' DecoderStack. Per call, weights from DRAM, 2 threads, AVX-512 BF16 EPYC,
-# oneDNN / ours in ms: SmolLM2's gate_up [3072 x 576] at 1 row 0.193 / 0.116, 16 rows 0.234 / 0.187,
-# 32: 0.366 / 0.339, 64: 0.627 / 0.629, 96: 0.883 / 0.914; o_proj [576 x 576] at 48 rows 0.121 / 0.096.
-# Whole decode steps (the model's 30 layers, context 300, alternating step by step) with the stack and
-# ours against the Python loop and oneDNN: 40 rows 64.5 -> 50.2 ms, 48: 74.5 -> 58.9, 96: 139.6 ->
-# 120.9, 128: 159.1 -> 151.7; with more rows the stack loses (256: 319 -> 335 ms), as do prompt steps
-# (128 tokens 83.6 / 82.8 ms, 200: 132.6 / 137.9, 2000: 1247 / 1395). So large batches keep oneDNN's
-# packed copy: the two copies cost the weights' memory twice, bought by those numbers.
-KERNEL_LINEAR_MAX_ROWS = 128
-
-
 class PackedLinear(nn.Module):
-    """A linear layer whose weight is reordered once into oneDNN's blocked layout for this CPU, and, where
-    the C++ CPU kernels have their bf16 linear, also into theirs for batches of few rows.
+    """A linear layer whose weight is packed once: into the C++ CPU kernels' layout where they have their
+    bf16 linear (AVX-512 BF16), else into oneDNN's blocked layout for this CPU.
 
-    NOTE: bf16 F.linear on CPU runs the same oneDNN kernels but reorders (or reads strided) the plain
-    [out, in] weight on every call. Prepacked, single-token decode streams the weights about 1.7x faster
-    (one 2-core AVX-512 BF16 EPYC, 1 thread, the default model's 30 layers from DRAM: 25.2 -> 14.8 ms)
-    and the LM head 6.4 -> 3.5 ms, with bit-identical results (batches of 1 to 512 rows checked). The C++
-    linear (kernels/cpu_ops.cpp) streams them faster still at few rows; see KERNEL_LINEAR_MAX_ROWS."""
+    NOTE: bf16 F.linear on CPU runs oneDNN but reorders (or reads strided) the plain [out, in] weight on
+    every call. Prepacked for oneDNN, single-token decode streams the weights about 1.7x faster (one
+    2-core AVX-512 BF16 EPYC, 1 thread, the default model's 30 layers from DRAM: 25.2 -> 14.8 ms) with
+    bit-identical results. The kernels' linear (kernels/cpu_ops.cpp) streams them faster still at few
+    rows, and with the model's DecoderStack it is at least as fast at every batch size. Per call, weights
+    from DRAM, 2 threads, oneDNN / ours in ms: SmolLM2's gate_up [3072 x 576] at 1 row 0.193 / 0.116, 16
+    rows 0.234 / 0.187. Whole steps, alternating step by step, the stack and ours against the Python loop
+    and oneDNN: decode at context 300, 48 rows 74.5 -> 58.9 ms, 192 rows 223 -> 206 ms, 256 rows 290 ->
+    271 ms; prompts of 200 tokens 123 -> 114 ms, of 2000 tokens 1234 -> 1218 ms. So one copy serves all:
+    keeping oneDNN's too for large batches cost the weights' memory twice and bought nothing (64 requests
+    of the mixed workload: 332.8 and 344.1 output tokens/s with both copies, 339.1 and 344.1 with one)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Any = None) -> None:
         super().__init__()
         weight = weight.detach()
-        self.out_features = weight.shape[0]
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # 1: decode's batch size
+        self.out_features, self.in_features = weight.shape
+        self.kernels = kernels
+        if kernels is not None:
+            packed = kernels.pack_linear_weight(weight)  # [N / 16, K / 2, 16, 2], padded
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # 1: decode's batch size
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        # The kernels' copy is a buffer, not a parameter: the same weight, not another one.
-        self.kernels = kernels
-        rows_weight = None if kernels is None else kernels.pack_linear_weight(weight)
-        self.register_buffer("rows_weight", rows_weight, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows_weight is not None and x.shape[0] <= KERNEL_LINEAR_MAX_ROWS:
-            return self.kernels.linear(x, self.rows_weight, self.out_features, self.bias)
+        if self.kernels is not None:
+            return self.kernels.linear(x, self.weight, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
@@ -341,7 +335,7 @@ class CausalLM(nn.Module):
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
         # A tied head's packed copy of the embedding matrix (see pack_linears); None: not packed.
         self.tied_head: PackedLinear | None = None
-        # The layers in one C++ call, for batches that fit the kernels' linear (see pack_linears).
+        # The layers in one C++ call, where the kernels have their linear (see pack_linears).
         self.stack: Any = None
 
     @torch.inference_mode()
@@ -356,7 +350,7 @@ class CausalLM(nn.Module):
         assert len(kv_caches) == len(self.layers)
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope.lookup(positions)  # once for all layers
-        if self.stack is not None and input_ids.shape[0] <= KERNEL_LINEAR_MAX_ROWS:
+        if self.stack is not None:
             return self.stack.forward(
                 x,
                 *cos_sin,
@@ -414,13 +408,13 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(
-                qkv=attn.qkv_proj.rows_weight,
+                qkv=attn.qkv_proj.weight,
                 qkv_bias=attn.qkv_proj.bias,
-                o=attn.o_proj.rows_weight,
+                o=attn.o_proj.weight,
                 o_bias=attn.o_proj.bias,
-                gate_up=mlp.gate_up_proj.rows_weight,
+                gate_up=mlp.gate_up_proj.weight,
                 gate_up_bias=mlp.gate_up_proj.bias,
-                down=mlp.down_proj.rows_weight,
+                down=mlp.down_proj.weight,
                 down_bias=mlp.down_proj.bias,
                 input_norm=layer.input_layernorm.weight,
                 post_attention_norm=layer.post_attention_layernorm.weight,
