@@ -1,5 +1,7 @@
-// CPU kernels: paged attention straight from the block tables, and the small per-layer ops of a decoder
-// fused into one pass each (RMSNorm with its residual add, RoPE with the KV cache write).
+// CPU kernels: paged attention straight from the block tables, the small per-layer ops of a decoder
+// fused into one pass each (RMSNorm with its residual add, RoPE with the KV cache write, SiLU with its
+// product), a bf16 linear layer on AVX-512 BF16, the sampler's argmax, and DecoderStack, which runs all
+// layers of a step in one call.
 //
 // Same contracts as kernels/reference.py (see there and proto/worker.proto). Every kernel reads bf16,
 // fp16 or fp32 and computes in float32; the pointwise ones round to the tensor dtype exactly where the
@@ -1241,11 +1243,12 @@ void rotary_write_kv_(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos
   });
 }
 
-// ---- linear layers of few rows (decode) ----------------------------------------------------------------
+// ---- linear layers ----------------------------------------------------------------------------------------
 //
 // y = x @ W^T with x [M, K], W [N, K] (nn.Linear's layout), all bf16, products summed in float32
-// (vdpbf16ps, AVX-512 BF16). In decode M is 1 to a few dozen rows, so a linear layer is bound by
-// streaming W from memory once, not by arithmetic; oneDNN's packed bf16 linear streams about 20 GB/s of
+// (vdpbf16ps, AVX-512 BF16). It serves every batch size (see model.PackedLinear for the numbers against
+// oneDNN). In decode M is 1 to a few dozen rows, so a linear layer is bound by streaming W from memory
+// once, not by arithmetic; oneDNN's packed bf16 linear streams about 20 GB/s of
 // the ~30 this 2-core machine reads at M = 1 and costs about 14 us per call before it reads anything
 // (here about 3.5 us). W is read exactly once, as one sequential stream per thread, while every row of x
 // stays in L1 and is broadcast from there.
@@ -1550,8 +1553,8 @@ bool has_linear() {
 // the conversion of its arguments, some microseconds, which for a single sequence is about 2 ms of a
 // 13 ms step on a 30-layer model: as much as attention and the pointwise ops together. DecoderStack
 // holds every layer's weights and runs all layers of a forward pass from here, the same kernels in the
-// same order as model.CausalLM.forward, so it computes the same bits. The model takes it for batches
-// whose linear layers all run `linear` (decode steps and short chunks).
+// same order as model.CausalLM.forward, so it computes the same bits. The model runs every step through
+// it where the kernels have their linear.
 
 struct StackLayer {
   at::Tensor qkv, o, gate_up, down;  // packed by pack_linear_weight

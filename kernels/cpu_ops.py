@@ -10,9 +10,11 @@ What it replaces, and why: in stock PyTorch, attention gathers every sequence's 
 and widens them to float32 before two small batched matmuls, and each decoder layer runs about ninety
 small ops (RMSNorm alone is five). Here attention reads the paged cache in place (decode rows one by
 one; prompt chunks, on AVX-512, as tiled products with the bf16 dot-product instruction), and RMSNorm
-with its residual add, RoPE with the KV write, and SiLU with its product, are one pass each. On AVX-512 BF16 it also has a
-linear layer for batches of few rows (decode), which streams the weights faster than oneDNN. Where the tiled path cannot run,
-long prompts take dense SDPA (reference.prefill_sequence), which beats the per-row kernel on them.
+with its residual add, RoPE with the KV write, and SiLU with its product, are one pass each. On AVX-512
+BF16 it also has a linear layer, at least as fast as oneDNN at every batch size (model.PackedLinear),
+and DecoderStack, all decoder layers of a step in one call. Where the tiled path cannot run, long
+prompts in the model's Python layer loop take dense SDPA (reference.prefill_sequence), which beats the
+per-row kernel on them; DecoderStack has no such fallback (see the note on decoder_stack).
 """
 
 from __future__ import annotations
@@ -173,9 +175,9 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_kernels() -> ModuleType | None:
-    """The extension when this build has its bf16 linear for batches of few rows (AVX-512 BF16:
-    `pack_linear_weight(weight)` once, then `linear(x, packed, out_features, bias)`), else None. The model
-    routes small batches of its prepacked linear layers through it (model.PackedLinear)."""
+    """The extension when this build has its bf16 linear (AVX-512 BF16: `pack_linear_weight(weight)` once,
+    then `linear(x, packed, out_features, bias)`), else None. The model's prepacked linear layers run
+    through it (model.PackedLinear)."""
     module = load()
     return module if module.has_linear() else None
 
@@ -183,7 +185,13 @@ def linear_kernels() -> ModuleType | None:
 def decoder_stack(**shape: object) -> object:
     """A DecoderStack of the extension (needs linear_kernels()): a decoder's layers run in one call, over
     weights packed by its pack_linear_weight. `shape`: hidden, intermediate, num_heads, num_kv_heads,
-    head_dim, eps, scale and final_norm; layers are added with add_layer (model.CausalLM builds it)."""
+    head_dim, eps, scale and final_norm; layers are added with add_layer (model.CausalLM builds it).
+
+    NOTE: its attention never hands a sequence to SDPA. On AVX-512 every prompt chunk of at least
+    TILE_MIN_LANES query vectors per kv head takes the tiled kernel, so this matters only for head sizes
+    that are not a multiple of 16 (or more than 32 query heads per kv head), whose long prompts then go
+    through the row kernel: slower there, not wrong. The released models of every supported family use
+    head sizes of 64 or 128."""
     return load().DecoderStack(min_tile_lanes=TILE_MIN_LANES, **shape)
 
 

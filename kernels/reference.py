@@ -319,6 +319,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_kernels() -> None:
-    """The ops' own linear layer for batches of few rows (see cpu_ops.linear_kernels); here none: the
-    model's linear layers are PyTorch's."""
+    """The ops' own linear layer (see cpu_ops.linear_kernels); here none: the model's linear layers are
+    PyTorch's."""
     return None
