@@ -983,12 +983,60 @@ std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, 
 
 // ---- fused pointwise ops --------------------------------------------------------------------------------
 
+#if defined(__AVX512BF16__)
+// 16 floats rounded to bf16 (to nearest even, as c10's conversion) and widened back.
+inline __m512 round_bf16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
+inline void store16_bf16(at::BFloat16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+#endif
+
+// Rows of a pointwise op handed to one thread: about 64K values (tens of microseconds of work), so that
+// a decode batch runs on the calling thread instead of paying a parallel region for a few microseconds.
+inline int64_t pointwise_grain(int64_t values_per_row) {
+  return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, values_per_row));
+}
+
+#if defined(__AVX512BF16__)
+// rms_norm_impl's row for bf16 and a size that is a multiple of 16, in registers: the same roundings, and
+// the sum of squares in dot's order.
+inline void rms_norm_row_bf16(at::BFloat16* x, const at::BFloat16* delta, const at::BFloat16* weight,
+                              at::BFloat16* out, int64_t size, float eps) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < size; i += 16) {
+    __m512 v = load16_bf16(x + i);
+    if (delta != nullptr) {
+      v = round_bf16(_mm512_add_ps(v, load16_bf16(delta + i)));
+      store16_bf16(x + i, v);
+    }
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const __m512 inv =
+      _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(size) + eps));
+  for (int64_t i = 0; i < size; i += 16)
+    store16_bf16(out + i,
+                 _mm512_mul_ps(load16_bf16(weight + i), round_bf16(_mm512_mul_ps(load16_bf16(x + i), inv))));
+}
+#endif
+
 // out = weight * (x * rsqrt(mean(x^2) + eps)) per row, normalised in float32, rounded to the dtype
 // before the weight is applied (as the HF models do). When delta is given, x += delta first, in place.
 template <typename T>
 void rms_norm_impl(T* x, int64_t x_stride, const T* delta, int64_t delta_stride, const T* weight, T* out,
                    int64_t out_stride, int64_t rows, int64_t size, double eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (size % 16 == 0) {
+      at::parallel_for(0, rows, pointwise_grain(size), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+          rms_norm_row_bf16(x + r * x_stride, delta == nullptr ? nullptr : delta + r * delta_stride, weight,
+                            out + r * out_stride, size, static_cast<float>(eps));
+      });
+      return;
+    }
+  }
+#endif
+  at::parallel_for(0, rows, pointwise_grain(size), [&](int64_t begin, int64_t end) {
     std::vector<float> v(size), w(size);
     load_row(weight, w.data(), size);
     for (int64_t r = begin; r < end; ++r) {
@@ -1060,7 +1108,7 @@ void silu_mul_impl(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t s
           const __m512 g = load16_bf16(gate + i);
           const __m512 silu =
               _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-          const __m512 rounded = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(silu));
+          const __m512 rounded = round_bf16(silu);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
                               (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(rounded, load16_bf16(up + i))));
         }
@@ -1191,13 +1239,36 @@ void rotary_write_kv_impl(at::Tensor& qk, const at::Tensor& v, const at::Tensor&
   T* vc = v_cache.data_ptr<T>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   std::atomic<int64_t> bad_slot{-1};
-  at::parallel_for(0, num_tokens, 8, [&](int64_t begin, int64_t end) {
+  // bf16 heads whose halves are whole registers go 16 dims at a time (the same roundings).
+#if defined(__AVX512BF16__)
+  const bool vectors = std::is_same_v<T, c10::BFloat16> && half % 16 == 0;
+#else
+  const bool vectors = false;
+#endif
+  at::parallel_for(0, num_tokens, pointwise_grain(heads * head_dim), [&](int64_t begin, int64_t end) {
     std::vector<float> c(head_dim), s(head_dim), x(head_dim);
     for (int64_t t = begin; t < end; ++t) {
       load_row(cos_ptr + t * cos.stride(0), c.data(), head_dim);
       load_row(sin_ptr + t * sin.stride(0), s.data(), head_dim);
       for (int64_t h = 0; h < heads; ++h) {
         T* xh = qk_ptr + t * qk.stride(0) + h * head_dim;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (vectors) {
+            for (int64_t d = 0; d < half; d += 16) {
+              const __m512 x1 = load16_bf16(xh + d), x2 = load16_bf16(xh + half + d);
+              // first half: x1 * cos + x2 * (-sin); second half: x2 * cos + x1 * sin
+              const __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, _mm512_loadu_ps(&s[d]))),
+                                              round_bf16(_mm512_mul_ps(x1, _mm512_loadu_ps(&c[d]))));
+              const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, _mm512_loadu_ps(&s[half + d]))),
+                                              round_bf16(_mm512_mul_ps(x2, _mm512_loadu_ps(&c[half + d]))));
+              store16_bf16(xh + d, lo);
+              store16_bf16(xh + half + d, hi);
+            }
+            continue;
+          }
+        }
+#endif
         load_row(xh, x.data(), head_dim);
         for (int64_t d = 0; d < head_dim; ++d) {
           const float swapped = x[d < half ? d + half : d - half];
