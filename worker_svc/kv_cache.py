@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.worker_svc import host_memory
+
 # Budget when the operator gives neither --num-blocks nor --kv-cache-memory.
 DEFAULT_CPU_BUDGET = 1024**3
 # On CUDA: this fraction of the memory still free after the weights are loaded.
@@ -54,6 +56,14 @@ def resolve_num_blocks(
     return num_blocks
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros; on the CPU in huge pages, as decode reads scattered blocks of the pool every step
+    (see host_memory)."""
+    if device.type == "cpu":
+        return host_memory.zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class KVCache:
     """The pool's tensors, addressed by block id."""
 
@@ -66,8 +76,8 @@ class KVCache:
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         # NOTE: zeros, not empty: padded block-table entries may point anywhere, and garbage there
         # (NaN/Inf from uninitialised memory) must never leak into a masked-out softmax term.
-        self.k_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.k_caches = [_zeros(shape, spec.dtype, device) for _ in range(spec.num_layers)]
+        self.v_caches = [_zeros(shape, spec.dtype, device) for _ in range(spec.num_layers)]
 
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import get_ops
+from pagedserve.worker_svc import host_memory
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -205,6 +206,7 @@ class PackedLinear(nn.Module):
         self.kernels = kernels
         if kernels is not None:
             packed = kernels.pack_linear_weight(weight)  # [N / 16, K / 2, 16, 2], padded
+            packed = host_memory.zeros(tuple(packed.shape), packed.dtype).copy_(packed)  # see host_memory
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # 1: decode's batch size
         self.weight = nn.Parameter(packed, requires_grad=False)

@@ -1,0 +1,82 @@
+"""host_memory.zeros: torch.zeros in huge pages for the KV cache and the packed weights."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.worker_svc import host_memory
+from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec
+
+needs_huge_pages = pytest.mark.skipif(
+    not host_memory.huge_pages_available(), reason="no transparent huge pages on this kernel"
+)
+
+
+def _mapping_of(address: int) -> dict[str, int] | None:
+    """The /proc/self/smaps counters (kB) of the mapping that holds address; None when none does."""
+    found = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            start, end = (int(part, 16) for part in head.split("-"))
+            found = {} if start <= address < end else None
+        elif found is not None and line.split()[-1] == "kB":
+            found[line.split(":")[0]] = int(line.split()[1])
+        elif found is not None and found:
+            break
+    return found
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (64, 16, 3, 64), (300, 16, 3, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_zeros_is_torch_zeros(shape, dtype):
+    got = host_memory.zeros(shape, dtype)
+    assert got.shape == shape and got.dtype == dtype and got.is_contiguous() and got.device.type == "cpu"
+    assert torch.equal(got, torch.zeros(shape, dtype=dtype))
+    got.fill_(3)  # writable, all of it
+    assert torch.equal(got, torch.full(shape, 3, dtype=dtype))
+
+
+@needs_huge_pages
+def test_a_large_tensor_lies_in_huge_pages():
+    tensor = host_memory.zeros((1024, 16, 3, 64), torch.bfloat16)  # 6 MB
+    assert tensor.data_ptr() % host_memory.HUGE_PAGE == 0
+    counters = _mapping_of(tensor.data_ptr())
+    assert counters is not None and counters["AnonHugePages"] >= 2048, counters
+    # What the KV cache allocates on the CPU.
+    cache = KVCache(KVCacheSpec(2, 3, 64, 16, torch.bfloat16), 1024, torch.device("cpu"))
+    for layer in cache.k_caches + cache.v_caches:
+        assert _mapping_of(layer.data_ptr())["AnonHugePages"] >= 2048
+
+
+@needs_huge_pages
+def test_the_mapping_lives_as_long_as_a_view_of_the_tensor():
+    tensor = host_memory.zeros((1024, 16, 3, 64), torch.bfloat16)
+    view = tensor[10:20]
+    address = view.data_ptr()
+    del tensor
+    gc.collect()
+    view.fill_(1)
+    assert view.sum().item() == view.numel() and _mapping_of(address) is not None
+    del view
+    gc.collect()
+    assert _mapping_of(address) is None  # unmapped with its last tensor
+
+
+@needs_huge_pages
+def test_the_kernels_packed_weights_lie_in_huge_pages():
+    from pagedserve.kernels import cpu_ops
+    from pagedserve.worker_svc.model import PackedLinear
+
+    kernels = cpu_ops.linear_kernels()
+    if kernels is None:
+        pytest.skip("this CPU has no AVX-512 BF16 linear")
+    weight = torch.randn(1536, 1152).to(torch.bfloat16)  # 3.4 MB packed
+    linear = PackedLinear(weight, None, kernels)
+    assert _mapping_of(linear.weight.data_ptr())["AnonHugePages"] >= 2048
+    x = torch.randn(5, 1152).to(torch.bfloat16)
+    torch.testing.assert_close(linear(x).float(), x.float() @ weight.float().T, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,58 @@
+"""Host memory for the worker's large, long-lived CPU tensors: the KV cache and the packed weights.
+
+Every decode step reads both in full, the weights as long streams and the KV cache as 6 KB blocks that
+lie anywhere in the pool. With 4 KB pages the TLB covers a few megabytes of that, so most blocks start
+with a page walk that the prefetches cannot hide. Backed by transparent huge pages (2 MB) the same TLB
+covers gigabytes. Measured on a 2-core AVX-512 machine, SmolLM2-135M in bf16, whole decode steps
+alternating between two KV caches over the same model: 13 sequences at context 350 18.41 -> 17.91 ms,
+21 at 350 26.37 -> 25.15 ms, 48 at 300 54.99 -> 53.12 ms; and huge-page weights, one copy against
+another: 1 sequence 11.32 -> 11.09 ms, 13 sequences 18.22 -> 17.81 ms.
+
+Only these tensors get huge pages. Setting torch's THP_MEM_ALLOC_ENABLE=1 instead gives them to every
+large allocation, the activations too, and made prompt steps slower (1234 -> 1309 ms for 2000 tokens):
+their buffers are freed and allocated again every layer, and each new huge page is zeroed on first touch.
+
+Linux with transparent huge pages in "always" or "madvise" mode; elsewhere plain torch.zeros.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["HUGE_PAGE", "huge_pages_available", "zeros"]
+
+HUGE_PAGE = 2 << 20
+_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_pages_available() -> bool:
+    """Whether this kernel gives transparent huge pages to a region that asks for them (madvise)."""
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        mode = _THP_MODE.read_text()
+    except OSError:
+        return False
+    return "[always]" in mode or "[madvise]" in mode
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype) on the CPU, backed by transparent huge pages where available.
+
+    The tensor lies in an anonymous mapping of its own, 2 MB aligned and advised MADV_HUGEPAGE; it keeps
+    the mapping alive and the kernel unmaps it when the tensor is freed. The pages are touched here, so
+    the memory is committed now, as torch.zeros would, and not in the middle of a step."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE or not huge_pages_available():
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to the mapping
+    start = -raw.data_ptr() % HUGE_PAGE
+    tensor = raw[start : start + nbytes].view(dtype).view(shape)
+    return tensor.zero_()
