@@ -191,11 +191,12 @@ def _close(dtype: torch.dtype) -> dict:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_and_the_fused_residual_add_match_the_reference(dtype):
+@pytest.mark.parametrize("size", [576, 40])  # bf16: whole registers, and the scalar path
+def test_rms_norm_and_the_fused_residual_add_match_the_reference(dtype, size):
     gen = torch.Generator().manual_seed(0)
-    x = (3 * torch.randn(37, 576, generator=gen)).to(dtype)
-    delta = torch.randn(37, 576, generator=gen).to(dtype)
-    weight = (1 + 0.2 * torch.randn(576, generator=gen)).to(dtype)
+    x = (3 * torch.randn(37, size, generator=gen)).to(dtype)
+    delta = torch.randn(37, size, generator=gen).to(dtype)
+    weight = (1 + 0.2 * torch.randn(size, generator=gen)).to(dtype)
     torch.testing.assert_close(
         cpu_ops.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), **_close(dtype)
     )
@@ -228,9 +229,10 @@ def test_rms_norm_of_per_head_views_normalises_each_head():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_write_kv_is_bitwise_the_reference_and_skips_padding(dtype):
+@pytest.mark.parametrize("head_dim", [64, 40])  # bf16: halves of whole registers, and the scalar path
+def test_rotary_write_kv_is_bitwise_the_reference_and_skips_padding(dtype, head_dim):
     gen = torch.Generator().manual_seed(1)
-    num_heads, num_kv_heads, head_dim, t = 6, 2, 64, 9
+    num_heads, num_kv_heads, t = 6, 2, 9
     qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
     table = torch.randn(100, 2 * head_dim, generator=gen).to(dtype)
     positions = torch.randint(0, 100, (t,), generator=gen)
