@@ -401,6 +401,12 @@ inline void prefetch(const void* ptr, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
+// prefetch for lines about to be written (owned by this core when the stores come).
+inline void prefetch_write(const void* ptr, int64_t bytes) {
+  const char* p = static_cast<const char*>(ptr);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 1, 1);
+}
+
 // Consecutive query rows of one sequence (positions pos0 .. pos0 + len - 1, query rows row0 ..), computed
 // together so that every K and V block is read and widened to float once for all of them.
 struct RowChunk {
@@ -656,6 +662,7 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
   const int64_t row_bytes = a.head_dim * static_cast<int64_t>(sizeof(T));
   const int threads = std::max(1, at::get_num_threads());
   BadBlock bad;
+  std::atomic<int64_t> next_task{0};
   // bf16 scores straight from the cache with the bf16 dot product instruction (each product exact in
   // float32, summed in float32), two head dims per step; other dtypes widen K first.
 #if defined(__AVX512BF16__)
@@ -675,8 +682,21 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
     std::vector<float> qt(kPairs ? 0 : a.head_dim * kTileLanes), kb(kPairs ? 0 : a.block_size * a.head_dim),
         vb(kPairs ? 0 : a.block_size * a.head_dim), s(a.block_size * kTileLanes), ot(a.head_dim * kTileLanes);
     std::vector<uint16_t> ob(kPairs ? a.head_dim * kTileLanes : 0);  // bf16: the output, rounded, [d][lane]
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < num_tasks; ++task) {
+    // Tasks are handed out dynamically, and each thread claims its next one a task ahead: while it computes
+    // one, the next one's query rows (scattered: the tasks go longest first) and output rows are fetched.
+    // Loaded cold, they and the copy-out took about a fifth of the kernel's samples. 30 layers of a real
+    // model's prompts: 16 of 100-140 tokens 73.5 -> 64.3 ms, 6 of 200-480 119.7 -> 113.5 (and 121.9 ->
+    // 114.0).
+    const auto claim = [&] { return next_task.fetch_add(1, std::memory_order_relaxed); };
+    for (int64_t task = claim(), ahead = claim(); task < num_tasks; task = ahead, ahead = claim()) {
+      if (ahead < num_tasks) {
+        const QueryTile& n = tasks[ahead];
+        const int64_t offset = n.kv_head * a.group * a.head_dim, bytes = a.group * row_bytes;
+        for (int64_t r = 0; r < n.rows; ++r) {
+          prefetch(a.q_ptr + (n.row0 + r) * a.q_stride + offset, bytes);
+          prefetch_write(a.out_ptr + (n.row0 + r) * a.out_stride + offset, bytes);
+        }
+      }
       const QueryTile& t = tasks[task];
       const int64_t lanes = t.rows * a.group, last = t.pos0 + t.rows - 1;
       const int32_t* table = a.tables + t.seq * a.table_stride;
@@ -873,14 +893,14 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
                               (__m256i)_mm512_cvtneps_pbh(x1));
         }
       }
+      const int64_t head_dim = a.head_dim;  // a local: the stores below could alias a's fields
       for (int64_t lane = 0; lane < lanes; ++lane) {
         T* o = a.out_ptr + (t.row0 + lane / a.group) * a.out_stride +
-               (t.kv_head * a.group + lane % a.group) * a.head_dim;
+               (t.kv_head * a.group + lane % a.group) * head_dim;
         if constexpr (kPairs)
-          for (int64_t d = 0; d < a.head_dim; ++d) std::memcpy(o + d, &ob[d * kTileLanes + lane], sizeof(T));
+          for (int64_t d = 0; d < head_dim; ++d) std::memcpy(o + d, &ob[d * kTileLanes + lane], sizeof(T));
         else
-          for (int64_t d = 0; d < a.head_dim; ++d)
-            o[d] = static_cast<T>(ot[d * kTileLanes + lane] * inv[lane]);
+          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(ot[d * kTileLanes + lane] * inv[lane]);
       }
     }
   }
