@@ -315,6 +315,45 @@ inline __m512 load16_bf16(const at::BFloat16* p) {
   return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// 16 floats rounded to bf16 (to nearest even, as c10's conversion) and widened back.
+inline __m512 round_bf16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
+inline void store16_bf16(at::BFloat16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+#endif
+
+#if defined(__AVX512F__)
+// Transposes 16 x 16 32-bit values in registers (lane j of r[i] becomes lane i of r[j]): 64 shuffles, where
+// moving them one by one through memory costs 256 loads and stores.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // within 128-bit lanes: pairs of rows interleaved
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // within 128-bit lanes: 4 x 4 blocks transposed
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // 128-bit lane k of r[4 * a + b] holds rows 4a .. 4a + 3 of column 4k + b: gather the four a of each.
+  for (int b = 0; b < 4; ++b) {
+    const __m512i y01 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x44),
+                  z01 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x44);
+    const __m512i y23 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xEE),
+                  z23 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xEE);
+    t[b] = _mm512_shuffle_i32x4(y01, z01, 0x88);
+    t[4 + b] = _mm512_shuffle_i32x4(y01, z01, 0xDD);
+    t[8 + b] = _mm512_shuffle_i32x4(y23, z23, 0x88);
+    t[12 + b] = _mm512_shuffle_i32x4(y23, z23, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+#endif
+
+#if defined(__AVX512BF16__)
+
 // accumulate_rows for the `vectors` query vectors of one kv head at once (acc and w of vector r at
 // acc + r * head size and w + r * w_stride), reading the bf16 V rows straight from the cache, two
 // positions per step with the bf16 dot product: the rows of positions j and j + 1 are interleaved into
@@ -681,7 +720,6 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         pp(kPairs ? max_pairs * kTileLanes : 0), vp(kPairs ? max_pairs * a.head_dim : 0);
     std::vector<float> qt(kPairs ? 0 : a.head_dim * kTileLanes), kb(kPairs ? 0 : a.block_size * a.head_dim),
         vb(kPairs ? 0 : a.block_size * a.head_dim), s(a.block_size * kTileLanes), ot(a.head_dim * kTileLanes);
-    std::vector<uint16_t> ob(kPairs ? a.head_dim * kTileLanes : 0);  // bf16: the output, rounded, [d][lane]
     // Tasks are handed out dynamically, and each thread claims its next one a task ahead: while it computes
     // one, the next one's query rows (scattered: the tasks go longest first) and output rows are fetched.
     // Loaded cold, they and the copy-out took about a fifth of the kernel's samples. 30 layers of a real
@@ -702,15 +740,32 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       const int32_t* table = a.tables + t.seq * a.table_stride;
       // Lanes past the task's vectors repeat its last one and are never stored.
       alignas(64) int32_t limit[kTileLanes];  // the last position each lane sees
+      const T* lane_q[kTileLanes];            // each lane's query vector
       for (int64_t lane = 0; lane < kTileLanes; ++lane) {
         const int64_t v = std::min(lane, lanes - 1), row = v / a.group;
-        const T* q = a.q_ptr + (t.row0 + row) * a.q_stride + (t.kv_head * a.group + v % a.group) * a.head_dim;
-        if constexpr (kPairs)  // bf16 pairs (d, d + 1) as one 32-bit lane; the scale goes on the scores
-          for (int64_t d = 0; d < a.head_dim; d += 2) std::memcpy(&qp[d / 2 * kTileLanes + lane], q + d, 4);
-        else
-          for (int64_t d = 0; d < a.head_dim; ++d)
-            qt[d * kTileLanes + lane] = static_cast<float>(q[d]) * a.fscale;
+        lane_q[lane] =
+            a.q_ptr + (t.row0 + row) * a.q_stride + (t.kv_head * a.group + v % a.group) * a.head_dim;
         limit[lane] = static_cast<int32_t>(t.pos0 + row);
+      }
+      if constexpr (kPairs) {  // bf16 pairs (d, d + 1) as one 32-bit lane; the scale goes on the scores
+        if (a.head_dim % 32 == 0) {
+          // 16 lanes x 16 pairs at a time, transposed in registers.
+          for (int64_t g = 0; g < kTileLanes; g += 16)
+            for (int64_t p0 = 0; p0 < a.head_dim / 2; p0 += 16) {
+              __m512i r[16];
+              for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(lane_q[g + i] + 2 * p0);
+              transpose16x16(r);
+              for (int j = 0; j < 16; ++j) _mm512_storeu_si512(&qp[(p0 + j) * kTileLanes + g], r[j]);
+            }
+        } else {
+          for (int64_t lane = 0; lane < kTileLanes; ++lane)
+            for (int64_t d = 0; d < a.head_dim; d += 2)
+              std::memcpy(&qp[d / 2 * kTileLanes + lane], lane_q[lane] + d, 4);
+        }
+      } else {
+        for (int64_t lane = 0; lane < kTileLanes; ++lane)
+          for (int64_t d = 0; d < a.head_dim; ++d)
+            qt[d * kTileLanes + lane] = static_cast<float>(lane_q[lane][d]) * a.fscale;
       }
       const __m512i limit0 = _mm512_load_si512(limit), limit1 = _mm512_load_si512(limit + 16);
       std::fill(ot.begin(), ot.end(), 0.f);
@@ -879,28 +934,33 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       alignas(64) float inv[kTileLanes];
       _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum0));
       _mm512_store_ps(inv + 16, _mm512_div_ps(_mm512_set1_ps(1.f), sum1));
-      if constexpr (kPairs) {
-        // Scaled and rounded 16 lanes at a time (vcvtneps2bf16 rounds as c10's conversion does), then
-        // copied out transposed: the scalar rounding of 2048 values cost as much as the products of a
-        // short prompt's tile.
-        const __m512 inv0 = _mm512_load_ps(inv), inv1 = _mm512_load_ps(inv + 16);
-        for (int64_t d = 0; d < a.head_dim; ++d) {
-          const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(&ot[d * kTileLanes]), inv0);
-          const __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(&ot[d * kTileLanes + 16]), inv1);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(&ob[d * kTileLanes]),
-                              (__m256i)_mm512_cvtneps_pbh(x0));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(&ob[d * kTileLanes + 16]),
-                              (__m256i)_mm512_cvtneps_pbh(x1));
-        }
-      }
       const int64_t head_dim = a.head_dim;  // a local: the stores below could alias a's fields
-      for (int64_t lane = 0; lane < lanes; ++lane) {
-        T* o = a.out_ptr + (t.row0 + lane / a.group) * a.out_stride +
+      const auto out_row = [&](int64_t lane) {
+        return a.out_ptr + (t.row0 + lane / a.group) * a.out_stride +
                (t.kv_head * a.group + lane % a.group) * head_dim;
-        if constexpr (kPairs)
-          for (int64_t d = 0; d < head_dim; ++d) std::memcpy(o + d, &ob[d * kTileLanes + lane], sizeof(T));
-        else
+      };
+      if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+        // 16 lanes x 16 dims at a time: scaled, transposed in registers, rounded (vcvtneps2bf16 rounds as
+        // c10's conversion does) and stored as a row of each lane's output.
+        for (int64_t g = 0; g < lanes; g += 16) {
+          const __m512 scale = _mm512_load_ps(inv + g);
+          for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i)
+              r[i] =
+                  _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(&ot[(d0 + i) * kTileLanes + g]), scale));
+            transpose16x16(r);
+            for (int64_t j = 0; j < std::min<int64_t>(16, lanes - g); ++j)
+              store16_bf16(out_row(g + j) + d0, _mm512_castsi512_ps(r[j]));
+          }
+        }
+#endif
+      } else {
+        for (int64_t lane = 0; lane < lanes; ++lane) {
+          T* o = out_row(lane);
           for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(ot[d * kTileLanes + lane] * inv[lane]);
+        }
       }
     }
   }
@@ -1002,14 +1062,6 @@ std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, 
 }
 
 // ---- fused pointwise ops --------------------------------------------------------------------------------
-
-#if defined(__AVX512BF16__)
-// 16 floats rounded to bf16 (to nearest even, as c10's conversion) and widened back.
-inline __m512 round_bf16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
-inline void store16_bf16(at::BFloat16* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
-}
-#endif
 
 // Rows of a pointwise op handed to one thread: about 64K values (tens of microseconds of work), so that
 // a decode batch runs on the calling thread instead of paying a parallel region for a few microseconds.
