@@ -741,10 +741,12 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       // Lanes past the task's vectors repeat its last one and are never stored.
       alignas(64) int32_t limit[kTileLanes];  // the last position each lane sees
       const T* lane_q[kTileLanes];            // each lane's query vector
+      T* lane_out[kTileLanes];                // and its output
       for (int64_t lane = 0; lane < kTileLanes; ++lane) {
         const int64_t v = std::min(lane, lanes - 1), row = v / a.group;
-        lane_q[lane] =
-            a.q_ptr + (t.row0 + row) * a.q_stride + (t.kv_head * a.group + v % a.group) * a.head_dim;
+        const int64_t offset = (t.kv_head * a.group + v % a.group) * a.head_dim;
+        lane_q[lane] = a.q_ptr + (t.row0 + row) * a.q_stride + offset;
+        lane_out[lane] = a.out_ptr + (t.row0 + row) * a.out_stride + offset;
         limit[lane] = static_cast<int32_t>(t.pos0 + row);
       }
       if constexpr (kPairs) {  // bf16 pairs (d, d + 1) as one 32-bit lane; the scale goes on the scores
@@ -935,10 +937,6 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum0));
       _mm512_store_ps(inv + 16, _mm512_div_ps(_mm512_set1_ps(1.f), sum1));
       const int64_t head_dim = a.head_dim;  // a local: the stores below could alias a's fields
-      const auto out_row = [&](int64_t lane) {
-        return a.out_ptr + (t.row0 + lane / a.group) * a.out_stride +
-               (t.kv_head * a.group + lane % a.group) * head_dim;
-      };
       if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
         // 16 lanes x 16 dims at a time: scaled, transposed in registers, rounded (vcvtneps2bf16 rounds as
@@ -952,13 +950,13 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
                   _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(&ot[(d0 + i) * kTileLanes + g]), scale));
             transpose16x16(r);
             for (int64_t j = 0; j < std::min<int64_t>(16, lanes - g); ++j)
-              store16_bf16(out_row(g + j) + d0, _mm512_castsi512_ps(r[j]));
+              store16_bf16(lane_out[g + j] + d0, _mm512_castsi512_ps(r[j]));
           }
         }
 #endif
       } else {
         for (int64_t lane = 0; lane < lanes; ++lane) {
-          T* o = out_row(lane);
+          T* o = lane_out[lane];
           for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(ot[d * kTileLanes + lane] * inv[lane]);
         }
       }
