@@ -14,6 +14,7 @@ from pagedserve.errors import PagedServeError
 from pagedserve.grpc_utils import SERVER_OPTIONS, add_health_and_reflection, set_serving
 from pagedserve.logging import configure_logging, get_logger
 from pagedserve.proto import text_generation_pb2_grpc
+from pagedserve.service_main import freeze_startup_objects
 from pagedserve.tracing import setup_tracing
 
 from .auth import ApiKeys
@@ -98,6 +99,7 @@ class DrainingServer(uvicorn.Server):
 async def serve(config: GatewayConfig, tokenizer: Tokenizer, model: ModelInfo) -> None:
     engine = EngineClient(config.scheduler, config.tls)
     app = create_app(config, tokenizer, model, engine)
+    freeze_startup_objects()
     grpc_server = None
     servicer = TextGenerationServicer(app.state.gateway.core, ApiKeys(config.all_api_keys()))
     if config.grpc_port:

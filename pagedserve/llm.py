@@ -37,6 +37,7 @@ from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.plan import PlanBuilder
 from pagedserve.scheduler_svc.request import Request
 from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.service_main import freeze_startup_objects
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
 from pagedserve.worker_svc.loader import load_model, parse_dtype
 from pagedserve.worker_svc.runner import ModelRunner
@@ -185,6 +186,7 @@ class LLM:
         self.scheduler = Scheduler(self.scheduler_config)
         self.plan_builder = PlanBuilder()
         self._request_ids = itertools.count()
+        freeze_startup_objects()
 
     # ------------------------------------------------------------------ public API
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -22,6 +23,15 @@ def stop_on_signals() -> asyncio.Event:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     return stop
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive after start-up (imported modules, the model's Python objects: about 360K
+    in a worker) out of the cyclic garbage collector's sight, as vLLM's engine does. A full collection
+    over them stops the process for about 165 ms (measured in the offline LLM after loading the default
+    model); once frozen, collections scan only what serving creates."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_service(

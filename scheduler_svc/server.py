@@ -27,7 +27,7 @@ from pagedserve.proto import engine_pb2, engine_pb2_grpc
 from pagedserve.scheduler_svc.engine import Engine
 from pagedserve.scheduler_svc.request_stream import END, RequestStream
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
-from pagedserve.service_main import run_service, stop_on_signals
+from pagedserve.service_main import freeze_startup_objects, run_service, stop_on_signals
 from pagedserve.tracing import extract_context, get_tracer
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -165,6 +165,7 @@ class SchedulerServer:
 async def serve(config: SchedulerServiceConfig) -> None:
     model, eos, max_model_len, vocab_size = await asyncio.to_thread(load_engine_facts, config)
     engine = Engine(config, model, eos, max_model_len, vocab_size)
+    freeze_startup_objects()
     server = SchedulerServer(config, engine)
     await server.start()
     stop = stop_on_signals()
