@@ -80,3 +80,13 @@ def test_the_kernels_packed_weights_lie_in_huge_pages():
     assert _mapping_of(linear.weight.data_ptr())["AnonHugePages"] >= 2048
     x = torch.randn(5, 1152).to(torch.bfloat16)
     torch.testing.assert_close(linear(x).float(), x.float() @ weight.float().T, rtol=2e-2, atol=2e-2)
+
+
+@needs_huge_pages
+def test_in_huge_pages_moves_a_large_tensor_and_leaves_a_small_one():
+    large = torch.randn(1024, 16, 3, 64).to(torch.bfloat16)  # 6 MB
+    moved = host_memory.in_huge_pages(large)
+    assert torch.equal(moved, large) and moved.data_ptr() != large.data_ptr()
+    assert _mapping_of(moved.data_ptr())["AnonHugePages"] >= 2048
+    small = torch.randn(3, 5)
+    assert host_memory.in_huge_pages(small) is small

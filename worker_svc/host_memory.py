@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["HUGE_PAGE", "huge_pages_available", "zeros"]
+__all__ = ["HUGE_PAGE", "huge_pages_available", "in_huge_pages", "zeros"]
 
 HUGE_PAGE = 2 << 20
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -41,18 +41,31 @@ def huge_pages_available() -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype=dtype) on the CPU, backed by transparent huge pages where available.
-
-    The tensor lies in an anonymous mapping of its own, 2 MB aligned and advised MADV_HUGEPAGE; it keeps
-    the mapping alive and the kernel unmaps it when the tensor is freed. The pages are touched here, so
-    the memory is committed now, as torch.zeros would, and not in the middle of a step."""
+def _mapped(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """A tensor in an anonymous mapping of its own, 2 MB aligned and advised MADV_HUGEPAGE, its pages not
+    yet touched (they read as zeros); None where huge pages are unavailable or the tensor is under one.
+    The tensor keeps the mapping alive, and the kernel unmaps it when the tensor is freed."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < HUGE_PAGE or not huge_pages_available():
-        return torch.zeros(shape, dtype=dtype)
+        return None
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to the mapping
     start = -raw.data_ptr() % HUGE_PAGE
-    tensor = raw[start : start + nbytes].view(dtype).view(shape)
-    return tensor.zero_()
+    return raw[start : start + nbytes].view(dtype).view(shape)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype) on the CPU, backed by transparent huge pages where available. The
+    pages are touched here, so the memory is committed now, as torch.zeros would, and not in the middle
+    of a step."""
+    tensor = _mapped(shape, dtype)
+    return torch.zeros(shape, dtype=dtype) if tensor is None else tensor.zero_()
+
+
+def in_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor moved into huge pages (the copy touches every page); the tensor itself
+    where huge pages are unavailable or it is under one."""
+    assert tensor.is_contiguous() and tensor.device.type == "cpu"
+    mapped = _mapped(tuple(tensor.shape), tensor.dtype)
+    return tensor if mapped is None else mapped.copy_(tensor)

@@ -205,8 +205,8 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.kernels = kernels
         if kernels is not None:
-            packed = kernels.pack_linear_weight(weight)  # [N / 16, K / 2, 16, 2], padded
-            packed = host_memory.zeros(tuple(packed.shape), packed.dtype).copy_(packed)  # see host_memory
+            # [N / 16, K / 2, 16, 2], padded; in huge pages, as decode streams it every step (see host_memory)
+            packed = host_memory.in_huge_pages(kernels.pack_linear_weight(weight))
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # 1: decode's batch size
         self.weight = nn.Parameter(packed, requires_grad=False)
