@@ -655,9 +655,8 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
           if constexpr (std::is_same_v<T, c10::BFloat16>) {
             const __m512 inv = _mm512_set1_ps(inv_sum[v]);
             for (; d + 16 <= a.head_dim; d += 16)
-              _mm256_storeu_si256(
-                  reinterpret_cast<__m256i*>(o + r * a.head_dim + d),
-                  (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(&acc[v * a.head_dim + d]), inv)));
+              store16_bf16(o + r * a.head_dim + d,
+                           _mm512_mul_ps(_mm512_loadu_ps(&acc[v * a.head_dim + d]), inv));
           }
 #endif
           for (; d < a.head_dim; ++d)
@@ -1179,8 +1178,7 @@ void silu_mul_impl(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t s
           const __m512 silu =
               _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
           const __m512 rounded = round_bf16(silu);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(rounded, load16_bf16(up + i))));
+          store16_bf16(o + i, _mm512_mul_ps(rounded, load16_bf16(up + i)));
         }
       }
 #endif
