@@ -109,10 +109,12 @@ def client(stack):
 
 
 def _bounded(body):
-    """Keep generation short: the fuzz is about the API's edges, not about long outputs."""
+    """Keep generation short: the fuzz is about the API's edges, not about long outputs. A null limit is
+    no limit (the context's end: thousands of tokens with ignore_eos, past the client's timeout), so it is
+    bounded as a large one is."""
     if isinstance(body, dict):
         for key in ("max_tokens", "max_completion_tokens"):
-            if isinstance(body.get(key), int) and body[key] > 4:
+            if key in body and (body[key] is None or (isinstance(body[key], int) and body[key] > 4)):
                 body[key] = 4
         if "max_tokens" not in body and "max_completion_tokens" not in body:
             body["max_tokens"] = 2
