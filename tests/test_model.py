@@ -246,6 +246,33 @@ def test_decoder_stack_computes_the_python_loops_bits(tmp_path, family):
         assert torch.equal(got.nan_to_num(), expected.nan_to_num())
 
 
+@needs_packing
+def test_decoder_stack_refuses_token_ids_and_positions_outside_its_tables(tmp_path):
+    # The stack gathers the embedding and RoPE rows itself: a bad index is an error, never a read elsewhere.
+    _save_tiny_hf_model(FAMILIES["llama_linear_rope_tied"](), tmp_path)
+    model = load_model(tmp_path, torch.bfloat16, "cpu")
+    if model.stack is None:
+        pytest.skip("this CPU build has no AVX-512 BF16 linear, so no DecoderStack")
+    cache = PagedCache(model, 1, block_size=4)
+    tables = (model.embed_tokens.weight, model.rope.table)
+    caches = ([k for k, _ in cache.kv_caches], [v for _, v in cache.kv_caches])
+    attn = (
+        torch.zeros(1, dtype=torch.int64),  # slot mapping
+        torch.zeros(1, 1, dtype=torch.int32),  # block tables
+        torch.tensor([0, 1], dtype=torch.int32),  # query start loc
+        torch.ones(1, dtype=torch.int32),  # context lens
+    )
+    ok = torch.zeros(1, dtype=torch.int64)
+    assert model.stack.forward_tokens(ok, ok, *tables, *caches, *attn).shape == (1, model.config.hidden_size)
+    for ids, positions, message in (
+        (torch.tensor([VOCAB]), ok, "outside the vocabulary"),
+        (torch.tensor([-1]), ok, "outside the vocabulary"),
+        (ok, torch.tensor([model.rope.table.shape[0]]), "beyond the RoPE table"),
+    ):
+        with pytest.raises(RuntimeError, match=message):
+            model.stack.forward_tokens(ids, positions, *tables, *caches, *attn)
+
+
 def test_loader_refuses_pickle_checkpoints(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(FAMILIES["mistral_untied"]().to_dict()))
     (tmp_path / "pytorch_model.bin").write_bytes(b"")

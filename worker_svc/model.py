@@ -350,12 +350,13 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         assert input_ids.shape == positions.shape and input_ids.dim() == 1
         assert len(kv_caches) == len(self.layers)
-        x = self.embed_tokens(input_ids)
-        cos_sin = self.rope.lookup(positions)  # once for all layers
         if self.stack is not None:
-            return self.stack.forward(
-                x,
-                *cos_sin,
+            # The stack gathers the embedding and RoPE rows itself (see DecoderStack.forward_tokens).
+            return self.stack.forward_tokens(
+                input_ids,
+                positions,
+                self.embed_tokens.weight,
+                self.rope.table,
                 [k for k, _ in kv_caches],
                 [v for _, v in kv_caches],
                 attn.slot_mapping,
@@ -363,6 +364,8 @@ class CausalLM(nn.Module):
                 attn.query_start_loc,
                 attn.context_lens,
             )
+        x = self.embed_tokens(input_ids)
+        cos_sin = self.rope.lookup(positions)  # once for all layers
         h = self.layers[0].input_layernorm(x)
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms, strict=True):

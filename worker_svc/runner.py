@@ -104,7 +104,11 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, attn, self._kv_layers)
             sample_idx, prompt_rows = self._logits_rows(batch)
             rows = np.concatenate([batch.query_start_loc[1:][sample_idx] - 1, *(r for _, r in prompt_rows)])
-            logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
+            # Sample rows alone come in order; all of them (a decode step) are hidden itself.
+            if not prompt_rows and len(rows) == hidden.shape[0]:
+                logits = self.model.compute_logits(hidden)
+            else:
+                logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             t2 = time.perf_counter()
