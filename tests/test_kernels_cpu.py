@@ -81,7 +81,7 @@ def test_mixed_prefill_batch_matches_per_token_oracle(
 @pytest.mark.parametrize("ctx", [1, 15, 16, 17, 100, 700, 1100, 2100])
 def test_a_lone_decode_row_on_more_threads_than_rows_matches_oracle(ctx, threads):
     # Fewer rows than threads: the kv heads are split over the threads (some get none), and from 1024
-    # positions the context is, in parts whose partial softmaxes are merged (2 parts, then up to 4).
+    # positions the context is split into parts whose partial softmaxes are merged (2, then up to 4).
     case = Case([ctx], 16, 3, 64, torch.bfloat16, seed=ctx)
     query = torch.randn(1, 9, 64, generator=case.gen).bfloat16()
     previous = torch.get_num_threads()
