@@ -574,20 +574,19 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
   std::vector<RowTask> parts;
   std::vector<int64_t> merges;
   int64_t partial_floats = 0;
-  for (int64_t i = 0; i < num_chunks && num_chunks < threads; ++i)
-    if (context_parts(used_blocks(chunks[i]), num_chunks, threads) > 1) {
-      for (int64_t k = 0; k < num_chunks; ++k) {
-        const RowChunk& c = chunks[k];
-        const int64_t blocks = used_blocks(c), n = context_parts(blocks, num_chunks, threads);
-        if (n > 1) merges.push_back(static_cast<int64_t>(parts.size()));
-        for (int64_t p = 0; p < n; ++p) {
-          parts.push_back(
-              {k, 0, a.num_kv_heads, blocks * p / n, blocks * (p + 1) / n, n > 1 ? partial_floats : -1});
-          if (n > 1) partial_floats += c.len * num_heads * (a.head_dim + 2);
-        }
-      }
-      break;
+  const bool any_split = std::any_of(chunks.begin(), chunks.end(), [&](const RowChunk& c) {
+    return context_parts(used_blocks(c), num_chunks, threads) > 1;
+  });
+  for (int64_t k = 0; k < num_chunks && any_split; ++k) {
+    const RowChunk& c = chunks[k];
+    const int64_t blocks = used_blocks(c), n = context_parts(blocks, num_chunks, threads);
+    if (n > 1) merges.push_back(static_cast<int64_t>(parts.size()));
+    for (int64_t p = 0; p < n; ++p) {
+      parts.push_back(
+          {k, 0, a.num_kv_heads, blocks * p / n, blocks * (p + 1) / n, n > 1 ? partial_floats : -1});
+      if (n > 1) partial_floats += c.len * num_heads * (a.head_dim + 2);
     }
+  }
   std::vector<float> partials(partial_floats);
   const int64_t num_tasks = parts.empty() ? num_chunks * splits : static_cast<int64_t>(parts.size());
   const auto task_at = [&](int64_t task) -> RowTask {
@@ -1977,7 +1976,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("o_bias"), py::arg("gate_up"), py::arg("gate_up_bias"), py::arg("down"),
            py::arg("down_bias"), py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("q_norm"),
            py::arg("k_norm"))
-      .def("forward", &DecoderStack::forward, "The layers over an embedded batch; returns the final norm")
       .def("forward_tokens", &DecoderStack::forward_tokens,
            "forward over token ids and positions, with the embedding and RoPE table rows gathered here")
       .def_property_readonly("num_layers", &DecoderStack::num_layers);
