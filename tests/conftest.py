@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,28 @@ def default_model_dir() -> Path:
     return resolve_model(None)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+async def one_event_loop(anyio_backend):
+    """Every async test of the session runs on one event loop, as each service runs on one.
+
+    NOTE: grpc.aio delivers a completion to the loop its operation started on. An operation that a
+    test cancelled (a stream read, a server's shutdown) may complete after that test has ended; if
+    its loop were closed by then, grpc would raise "Event loop is closed" inside whichever test runs
+    next. While this fixture holds anyio's runner, the loop stays open and such a late completion
+    settles a future nobody awaits."""
+    yield
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector, name, obj):
+    """Each async test (they are all anyio tests) holds the session's loop."""
+    if collector.istestfunction(obj, name) and inspect.iscoroutinefunction(obj):
+        pytest.mark.usefixtures("one_event_loop")(obj)
 
 
 @pytest.fixture(scope="session")

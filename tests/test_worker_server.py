@@ -69,7 +69,8 @@ def expected_tokens(model_dir, plans) -> list[list[int]]:
     return [list(runner.execute(p).sampled_token_ids) for p in plans]
 
 
-def test_steps_stream_returns_one_result_per_plan_in_order(model_dir):
+@pytest.mark.anyio
+async def test_steps_stream_returns_one_result_per_plan_in_order(model_dir):
     plans = [first_plan(), decode_plan(2), decode_plan(3), plan(4, [(0, 1, [4]), (1, 1, [])])]
 
     async def scenario():
@@ -82,7 +83,7 @@ def test_steps_stream_returns_one_result_per_plan_in_order(model_dir):
         finally:
             await server.stop(grace=None)
 
-    info, results = asyncio.run(scenario())
+    info, results = await scenario()
     assert [r.step_id for r in results] == [1, 2, 3, 4]
     assert [list(r.sampled_slots) for r in results] == [[0, 1]] * 4
     assert [list(r.sampled_token_ids) for r in results] == expected_tokens(model_dir, plans)
@@ -99,7 +100,8 @@ def test_steps_stream_returns_one_result_per_plan_in_order(model_dir):
     assert list(info.eos_token_ids) == [EOS] and info.max_model_len == 256
 
 
-def test_broken_plan_ends_the_stream_with_invalid_argument_and_a_new_stream_continues(model_dir):
+@pytest.mark.anyio
+async def test_broken_plan_ends_the_stream_with_invalid_argument_and_a_new_stream_continues(model_dir):
     async def scenario():
         server = await start_worker(model_dir)
         try:
@@ -114,7 +116,7 @@ def test_broken_plan_ends_the_stream_with_invalid_argument_and_a_new_stream_cont
         finally:
             await server.stop(grace=None)
 
-    received, error, after = asyncio.run(scenario())
+    received, error, after = await scenario()
     assert [r.step_id for r in received] == [1]  # the plan before the broken one was executed
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.details() == "step 3: expected step id 2 (a gap or a repeat)"
@@ -122,7 +124,8 @@ def test_broken_plan_ends_the_stream_with_invalid_argument_and_a_new_stream_cont
     assert [list(r.sampled_token_ids) for r in [*received, *after]] == expected
 
 
-def test_reset_forgets_requests_and_restarts_at_step_one(model_dir):
+@pytest.mark.anyio
+async def test_reset_forgets_requests_and_restarts_at_step_one(model_dir):
     async def scenario():
         server = await start_worker(model_dir)
         try:
@@ -137,13 +140,14 @@ def test_reset_forgets_requests_and_restarts_at_step_one(model_dir):
         finally:
             await server.stop(grace=None)
 
-    info, error, again, slots = asyncio.run(scenario())
+    info, error, again, slots = await scenario()
     assert info.num_blocks == NUM_BLOCKS
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "expected step id 1" in error.details()
     assert [r.step_id for r in again] == [1] and sorted(slots) == [0, 1]
 
 
-def test_health_reports_serving_and_reflection_lists_the_worker_service(model_dir):
+@pytest.mark.anyio
+async def test_health_reports_serving_and_reflection_lists_the_worker_service(model_dir):
     async def scenario():
         server = await start_worker(model_dir)
         try:
@@ -158,7 +162,7 @@ def test_health_reports_serving_and_reflection_lists_the_worker_service(model_di
         finally:
             await server.stop(grace=None)
 
-    overall, worker, responses = asyncio.run(scenario())
+    overall, worker, responses = await scenario()
     assert overall == worker == health_pb2.HealthCheckResponse.SERVING
     names = {s.name for s in responses[0].list_services_response.service}
     assert {"pagedserve.v1.Worker", "grpc.health.v1.Health"} <= names
@@ -198,7 +202,8 @@ def free_port() -> int:
 RESTARTS = 5
 
 
-def test_worker_registers_when_the_scheduler_appears_and_again_after_each_restart(model_dir):
+@pytest.mark.anyio
+async def test_worker_registers_when_the_scheduler_appears_and_again_after_each_restart(model_dir):
     port = free_port()
 
     async def scenario():
@@ -225,7 +230,7 @@ def test_worker_registers_when_the_scheduler_appears_and_again_after_each_restar
         finally:
             await worker.stop(grace=None)
 
-    requests = asyncio.run(scenario())
+    requests = await scenario()
     assert [len(r) for r in requests] == [1] * (1 + RESTARTS)
     request = requests[0][0]
     assert (request.worker_id, request.address, request.model) == (
