@@ -5,6 +5,7 @@ The tests run in order on one stack; each leaves it serving for the next.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import threading
@@ -209,8 +210,10 @@ def test_sigterm_drains_gateway_and_scheduler_in_flight_requests_finish(stack, c
     thread.start()
     assert first_token.wait(60)
     stack.gateway.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    refused = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    deadline = time.monotonic() + 10  # the signal is handled a moment later: until then, requests pass
+    while (refused := client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})).is_success:
+        assert time.monotonic() < deadline, "the gateway still accepts requests 10 s after SIGTERM"
+        time.sleep(0.02)
     assert_openai_error(refused, 503)
     assert "retry-after" in refused.headers
     thread.join(60)
@@ -228,11 +231,18 @@ def test_sigterm_drains_gateway_and_scheduler_in_flight_requests_finish(stack, c
         call = stub.Generate(request, timeout=60)
         tokens = len(next(call).token_ids)
         stack.scheduler.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        late = engine_pb2.EngineGenerateRequest(request_id="drain-2", prompt_token_ids=[1, 2])
-        with pytest.raises(grpc.RpcError) as info:
-            list(stub.Generate(late, timeout=10))
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        deadline = time.monotonic() + 10
+        for attempt in itertools.count(2):
+            late = engine_pb2.EngineGenerateRequest(
+                request_id=f"drain-{attempt}",
+                prompt_token_ids=[1, 2],
+                sampling=common_pb2.SamplingParams(max_tokens=2),
+            )
+            if (code := _grpc_code(stub, late)) != grpc.StatusCode.OK:
+                break
+            assert time.monotonic() < deadline, "the scheduler still accepts requests 10 s after SIGTERM"
+            time.sleep(0.02)
+        assert code == grpc.StatusCode.UNAVAILABLE
         tokens += sum(len(m.token_ids) for m in call)
     assert tokens == 64
     assert stack.scheduler.wait(15) == 0
