@@ -8,6 +8,9 @@ each measurement two ceilings:
 - compute: the measured matrix-multiply rate (FLOP/s, same dtype) over the model's FLOPs per token;
 - memory: streaming the weights once per step at the measured copy bandwidth, shared by the batch.
 
+The read bandwidth (a sum over a large tensor) is printed next to the copy's: the weights are only
+read, and on some machines a copy, which counts its reads and its writes, measures more than a read.
+
     .venv/bin/python bench/bench_worker.py [--model default] [--dtype auto] [--batch 1,4,16,64,256]
         [--context 128,512,2048] [--steps 8] [--threads N]
 
@@ -59,6 +62,19 @@ def measure_copy_bandwidth(num_bytes: int = 512 * 1024 * 1024, repeats: int = 5)
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return 2 * num_bytes / best
+
+
+def measure_read_bandwidth(num_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> float:
+    """Bytes per second read by a sum over a large tensor: what a stream of weights can reach, where a
+    copy's rate also counts the writes, which may run alongside the reads."""
+    src = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
+    src.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t)
+    return num_bytes / best
 
 
 def flops_per_token(model, context: int) -> float:
@@ -136,10 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"measuring this machine ({torch.get_num_threads()} threads, {dtype}) ...", flush=True)
     flops = measure_matmul_flops(dtype)
     bandwidth = measure_copy_bandwidth()
+    read_bandwidth = measure_read_bandwidth()
     wbytes = weight_bytes(model)
     print(
-        f"matmul {flops / 1e9:.0f} GFLOP/s, copy {bandwidth / 1e9:.1f} GB/s, "
-        f"weights {wbytes / 1e6:.0f} MB ({cfg.num_layers} layers)"
+        f"matmul {flops / 1e9:.0f} GFLOP/s, copy {bandwidth / 1e9:.1f} GB/s (the memory ceiling's), "
+        f"read {read_bandwidth / 1e9:.1f} GB/s, weights {wbytes / 1e6:.0f} MB ({cfg.num_layers} layers)"
     )
 
     cells = [(b, c) for c in contexts for b in batches if b * (c + args.steps + 1) <= MAX_POOL_TOKENS]
@@ -192,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "matmul_flops": flops,
         "copy_bandwidth": bandwidth,
+        "read_bandwidth": read_bandwidth,
         "weight_bytes": wbytes,
         "rows": rows,
     }
