@@ -39,42 +39,35 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MAX_POOL_TOKENS = 64 * 1024
 
 
-def measure_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)
+def best_seconds(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of fn, after one untimed call that warms it up."""
+    fn()
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        torch.mm(a, b)
+        fn()
         best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+    return best
+
+
+def measure_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b), repeats)
 
 
 def measure_copy_bandwidth(num_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> float:
     """Bytes per second moved by a large memory copy (read + write counted once each)."""
     src = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * num_bytes / best
+    return 2 * num_bytes / best_seconds(lambda: dst.copy_(src), repeats)
 
 
 def measure_read_bandwidth(num_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> float:
     """Bytes per second read by a sum over a large tensor: what a stream of weights can reach, where a
     copy's rate also counts the writes, which may run alongside the reads."""
     src = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
-    src.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - t)
-    return num_bytes / best
+    return num_bytes / best_seconds(src.sum, repeats)
 
 
 def flops_per_token(model, context: int) -> float:

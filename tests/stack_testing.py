@@ -33,6 +33,15 @@ MODEL = "SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT_S = 180  # the launcher gives up by itself after this (so the wait for its banner ends)
 
 
+def wait_for(condition, timeout: float = 10.0, what: str = "timed out"):
+    """Polls `condition` every 0.1 s until it returns something truthy, and returns that."""
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+    return found
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from stack_testing import MODEL, Stack, running
+from stack_testing import MODEL, Stack, running, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -52,14 +52,6 @@ def _log_lines(path: Path) -> list[dict]:
     return lines
 
 
-def _wait_for(condition, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while not (found := condition()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-    return found
-
-
 def test_one_request_has_spans_in_gateway_scheduler_and_worker_in_one_trace(stack: Stack):
     response = stack.client.chat.completions.create(
         model=MODEL, messages=QUESTION, max_tokens=8, temperature=0
@@ -74,7 +66,7 @@ def test_one_request_has_spans_in_gateway_scheduler_and_worker_in_one_trace(stac
         assert len(trace_ids) == 1, trace_ids
         return [s for s in spans if s["context"]["trace_id"] in trace_ids]
 
-    spans = _wait_for(request_spans)
+    spans = wait_for(request_spans)
     by_name = {s["name"]: s for s in spans}
     gateway = by_name["pagedserve.gateway.generate"]
     scheduler = by_name["scheduler.generate"]
@@ -103,7 +95,7 @@ def test_one_request_has_spans_in_gateway_scheduler_and_worker_in_one_trace(stac
         }
         return services if services >= SERVICES else None
 
-    _wait_for(caller_trace)
+    wait_for(caller_trace)
 
 
 def test_log_lines_about_a_request_carry_its_id(stack: Stack):
@@ -120,7 +112,7 @@ def test_log_lines_about_a_request_carry_its_id(stack: Stack):
         services = {line["service"] for line in lines}
         return lines if {"gateway", "scheduler"} <= services else None
 
-    lines = _wait_for(lines_of_request)
+    lines = wait_for(lines_of_request)
     for line in lines:
         assert line.get("request_id") == response.id, line
         assert line["level"] and line["timestamp"] and line["event"]

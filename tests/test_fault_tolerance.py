@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import httpx
 import pytest
-from stack_testing import Stack, assert_openai_error, running, stream_completion
+from stack_testing import Stack, assert_openai_error, running, stream_completion, wait_for
 
 from pagedserve.proto import (
     common_pb2,
@@ -210,10 +210,12 @@ def test_sigterm_drains_gateway_and_scheduler_in_flight_requests_finish(stack, c
     thread.start()
     assert first_token.wait(60)
     stack.gateway.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10  # the signal is handled a moment later: until then, requests pass
-    while (refused := client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})).is_success:
-        assert time.monotonic() < deadline, "the gateway still accepts requests 10 s after SIGTERM"
-        time.sleep(0.02)
+
+    def refusal() -> httpx.Response | None:  # the signal is handled a moment later: until then, requests pass
+        response = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        return None if response.is_success else response
+
+    refused = wait_for(refusal, what="the gateway still accepts requests 10 s after SIGTERM")
     assert_openai_error(refused, 503)
     assert "retry-after" in refused.headers
     thread.join(60)
@@ -231,17 +233,18 @@ def test_sigterm_drains_gateway_and_scheduler_in_flight_requests_finish(stack, c
         call = stub.Generate(request, timeout=60)
         tokens = len(next(call).token_ids)
         stack.scheduler.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for attempt in itertools.count(2):
+        attempts = itertools.count(2)
+
+        def refusal_code() -> grpc.StatusCode | None:
             late = engine_pb2.EngineGenerateRequest(
-                request_id=f"drain-{attempt}",
+                request_id=f"drain-{next(attempts)}",
                 prompt_token_ids=[1, 2],
                 sampling=common_pb2.SamplingParams(max_tokens=2),
             )
-            if (code := _grpc_code(stub, late)) != grpc.StatusCode.OK:
-                break
-            assert time.monotonic() < deadline, "the scheduler still accepts requests 10 s after SIGTERM"
-            time.sleep(0.02)
+            code = _grpc_code(stub, late)
+            return None if code == grpc.StatusCode.OK else code
+
+        code = wait_for(refusal_code, what="the scheduler still accepts requests 10 s after SIGTERM")
         assert code == grpc.StatusCode.UNAVAILABLE
         tokens += sum(len(m.token_ids) for m in call)
     assert tokens == 64
