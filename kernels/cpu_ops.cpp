@@ -1575,17 +1575,18 @@ constexpr auto make_table(std::integer_sequence<int, R...>) {
 }
 constexpr auto kKernels = make_table(std::make_integer_sequence<int, kMaxRows>{});
 
-// block_kernel for two blocks at once, `step` blocks apart in W and in y: two streams from memory.
-// A core reads about 10 % faster from two sequential streams than from one (2 threads, each from one
-// stream 29.6-31.3 GB/s, from two 32.9-33.1, bench of a plain read loop), which counts where rows are
-// few and the weights' stream sets the time. U sets of sums per block, as in block_kernel.
-template <int ROWS, int U>
-void block_kernel_pair(const at::BFloat16* w, int64_t step, const at::BFloat16* x, int64_t ldx, int64_t pairs,
-                       const __m512* bias, at::BFloat16* y, int64_t ldy, const __mmask16* cols) {
+// block_kernel for S blocks at once, `step` blocks apart in W and in y: S streams from memory.
+// A core reads faster from several sequential streams than from one (2 threads, plain read loop over
+// 512 MB: one stream a thread 32.7 GB/s, two 34.3, four 36.2, eight 35.7, six rounds each), which counts
+// where rows are few and the weights' stream sets the time. U sets of sums per block, as in block_kernel.
+template <int S, int ROWS, int U>
+void block_kernel_streams(const at::BFloat16* w, int64_t step, const at::BFloat16* x, int64_t ldx,
+                          int64_t pairs, const __m512* bias, at::BFloat16* y, int64_t ldy,
+                          const __mmask16* cols) {
   const int64_t w_step = step * pairs * 2 * kBlock;
-  __m512 acc[2][U][ROWS];
+  __m512 acc[S][U][ROWS];
 #pragma GCC unroll 32
-  for (int s = 0; s < 2; ++s)
+  for (int s = 0; s < S; ++s)
 #pragma GCC unroll 32
     for (int u = 0; u < U; ++u)
 #pragma GCC unroll 32
@@ -1595,7 +1596,7 @@ void block_kernel_pair(const at::BFloat16* w, int64_t step, const at::BFloat16* 
 #pragma GCC unroll 32
     for (int u = 0; u < U; ++u) {
 #pragma GCC unroll 32
-      for (int s = 0; s < 2; ++s) {
+      for (int s = 0; s < S; ++s) {
         const at::BFloat16* line = w + s * w_step + (p + u) * 2 * kBlock;
         _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T1);
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(line);
@@ -1608,14 +1609,14 @@ void block_kernel_pair(const at::BFloat16* w, int64_t step, const at::BFloat16* 
   }
   for (; p < pairs; ++p)
 #pragma GCC unroll 32
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < S; ++s) {
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + s * w_step + p * 2 * kBlock);
 #pragma GCC unroll 32
       for (int r = 0; r < ROWS; ++r)
         acc[s][0][r] = _mm512_dpbf16_ps(acc[s][0][r], wv, (__m512bh)broadcast_pair(x + r * ldx + 2 * p));
     }
 #pragma GCC unroll 32
-  for (int s = 0; s < 2; ++s)
+  for (int s = 0; s < S; ++s)
 #pragma GCC unroll 32
     for (int r = 0; r < ROWS; ++r) {
       __m512 sum = _mm512_add_ps(acc[s][0][r], bias[s]);
@@ -1624,16 +1625,19 @@ void block_kernel_pair(const at::BFloat16* w, int64_t step, const at::BFloat16* 
     }
 }
 
-using PairFn = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int64_t, const __m512*,
-                        at::BFloat16*, int64_t, const __mmask16*);
-// Rows up to which a thread streams its blocks as two streams (block_kernel_pair); more rows are bound
-// by the dot products rather than by memory.
-constexpr int kPairRows = 4;
-template <int... R>
-constexpr auto make_pair_table(std::integer_sequence<int, R...>) {
-  return std::array<PairFn, sizeof...(R)>{&block_kernel_pair<R + 1, (4 + R) / (R + 1)>...};
+using StreamsFn = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int64_t, const __m512*,
+                           at::BFloat16*, int64_t, const __mmask16*);
+// Rows up to which a thread streams its blocks as several streams (block_kernel_streams); more rows are
+// bound by the dot products rather than by memory.
+constexpr int kStreamRows = 4;
+// About eight independent chains of sums per step, as unroll() for block_kernel.
+template <int S, int... R>
+constexpr auto make_streams_table(std::integer_sequence<int, R...>) {
+  return std::array<StreamsFn, sizeof...(R)>{
+      &block_kernel_streams<S, R + 1, (8 + S * (R + 1) - 1) / (S * (R + 1))>...};
 }
-constexpr auto kPairKernels = make_pair_table(std::make_integer_sequence<int, kPairRows>{});
+constexpr auto kStreams4 = make_streams_table<4>(std::make_integer_sequence<int, kStreamRows>{});
+constexpr auto kStreams2 = make_streams_table<2>(std::make_integer_sequence<int, kStreamRows>{});
 
 // block_kernel for two adjacent blocks (32 output columns) and ROWS rows: each broadcast of an x pair
 // feeds two dot products. With 16 rows against one block a step is one W load, 16 broadcast loads and
@@ -1701,16 +1705,21 @@ void linear_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFlo
                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cols_of(b), bias + b * kBlock)), 16));
     };
     int64_t b = b0;
-    if (m <= kPairRows) {
-      // Block i of the thread's first half with block i of its second half.
-      const int64_t half = (b1 - b0) / 2;
-      for (; b < b0 + half; ++b) {
-        const __m512 biases[2] = {bias_of(b), bias_of(b + half)};
-        const __mmask16 cols[2] = {cols_of(b), cols_of(b + half)};
-        kPairKernels[m - 1](w + b * pairs * 2 * kBlock, half, x, ldx, pairs, biases, y + b * kBlock, ldy,
-                            cols);
-      }
-      b += half;  // the odd block left, if any
+    if (m <= kStreamRows) {
+      // The thread's blocks as four runs, block i of each run together; what is left as two runs, then
+      // (below) one block at a time.
+      const auto runs = [&](int S, const auto& table) {
+        const int64_t part = (b1 - b) / S;
+        __m512 biases[4];
+        __mmask16 cols[4];
+        for (const int64_t end = b + part; b < end; ++b) {
+          for (int s = 0; s < S; ++s) biases[s] = bias_of(b + s * part), cols[s] = cols_of(b + s * part);
+          table[m - 1](w + b * pairs * 2 * kBlock, part, x, ldx, pairs, biases, y + b * kBlock, ldy, cols);
+        }
+        b += (S - 1) * part;
+      };
+      runs(4, kStreams4);
+      runs(2, kStreams2);
     } else if (m >= kWideMinRows) {
       // Pairs of adjacent blocks against chunks of at most kWideRows rows.
       const int64_t wide_chunks = (m + kWideRows - 1) / kWideRows;
