@@ -555,8 +555,16 @@ def test_sigterm_stops_every_process(served):
         ["pgrep", "-P", str(served.serve_process.pid)], capture_output=True, text=True, check=False
     ).stdout.split()
     assert len(children) == 3  # scheduler, worker, gateway
+    logged_before = served.stderr_path.stat().st_size
     os.killpg(served.serve_process.pid, signal.SIGTERM)
     assert served.serve_process.wait(timeout=30) == 0
     for pid in map(int, children):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+    # A clean stop: no service logs an error on the way down (the worker's health watch on the
+    # scheduler, left open, once made the scheduler's gRPC server log a CancelledError traceback).
+    with served.stderr_path.open() as log:
+        log.seek(logged_before)
+        shutdown_log = log.read()
+    assert "Traceback" not in shutdown_log, shutdown_log
+    assert '"level": "error"' not in shutdown_log, shutdown_log

@@ -217,13 +217,19 @@ class Registrar:
     async def _watch(self, health: health_pb2_grpc.HealthStub) -> None:
         """Returns when the scheduler must be told about us again."""
         serving = health_pb2.HealthCheckResponse.SERVING
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
         try:
-            async for response in health.Watch(health_pb2.HealthCheckRequest(service="")):
+            async for response in watch:
                 if response.status != serving:
                     return
         except grpc.RpcError as error:
             if error.code() != grpc.StatusCode.UNIMPLEMENTED:
                 return
+        finally:
+            # NOTE: a stopping scheduler says NOT_SERVING, then waits for its open calls. Left open, this
+            # one is cancelled by the scheduler's server when the wait ends, which grpc logs there as an
+            # unhandled CancelledError.
+            watch.cancel()
         # A scheduler without health Watch: poll its reachability instead.
         while True:
             await asyncio.sleep(self.max_backoff)
