@@ -33,12 +33,12 @@ MODEL = "SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT_S = 180  # the launcher gives up by itself after this (so the wait for its banner ends)
 
 
-def wait_for(condition, timeout: float = 10.0, what: str = "timed out"):
-    """Polls `condition` every 0.1 s until it returns something truthy, and returns that."""
+def wait_for(condition, timeout: float = 10.0, what: str = "timed out", interval: float = 0.1):
+    """Polls `condition` every `interval` seconds until it returns something truthy, and returns that."""
     deadline = time.monotonic() + timeout
     while not (found := condition()):
         assert time.monotonic() < deadline, what
-        time.sleep(0.1)
+        time.sleep(interval)
     return found
 
 

@@ -69,14 +69,13 @@ def reference(client) -> list[tuple[str, int, str | None]]:
 
 def _busy_worker(stack: Stack, timeout: float = 30.0) -> str:
     """A worker that is computing requests right now (it has tokens streamed already)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def busiest() -> str | None:
         stats = stack.engine_stats()
         busy = [w for w in stats.workers if w.healthy and w.num_running > 0 and w.num_steps > 2]
-        if busy:
-            return max(busy, key=lambda w: w.num_running).worker_id
-        time.sleep(0.01)
-    raise AssertionError("no worker became busy")
+        return max(busy, key=lambda w: w.num_running).worker_id if busy else None
+
+    return wait_for(busiest, timeout, what="no worker became busy", interval=0.01)
 
 
 def test_worker_killed_mid_stream_every_stream_completes_with_fault_free_text(stack, client, reference):
