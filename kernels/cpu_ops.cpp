@@ -1522,10 +1522,19 @@ constexpr int64_t kFourStreamPrefetchBytes = 1024;
 
 #if defined(__AVX512BF16__)
 
-inline __m512i broadcast_pair(const at::BFloat16* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return _mm512_set1_epi32(v);
+// acc + w . (the pair of x at p, broadcast to all 16 lanes): one vdpbf16ps, the pair its {1to16} memory
+// operand, so the load unit broadcasts it. NOTE: written in asm because GCC does not fold the broadcast
+// into vdpbf16ps: from _mm512_set1_epi32 it emits a vpbroadcastd of its own, which on this 2-core Zen 4
+// EPYC takes a vector pipe next to the dot products. Folded, in whole decode steps (context 300,
+// alternating builds): 12 rows 0.926 of the time, 16 rows 0.883, 28 rows 0.903, 32-64 rows 0.97-0.99;
+// single linears with the weights in cache: 9-31 rows 0.80-0.95, 48-1024 rows about 0.96. Folded, one
+// block against up to 16 rows at a time is also as fast as the kernel over pairs of blocks that served
+// 32 rows and more before (its one broadcast fed two products): whole decode steps of 32-96 rows took
+// 0.95-0.99 of the time without it.
+using AliasedPair = int32_t __attribute__((may_alias));
+inline __m512 dot_pair(__m512 acc, __m512bh w, const at::BFloat16* p) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const AliasedPair*>(p)));
+  return acc;
 }
 
 // One block of 16 output columns for ROWS rows of x. U independent sets of sums over interleaved K pairs
@@ -1546,15 +1555,13 @@ void block_kernel(const at::BFloat16* w, const at::BFloat16* x, int64_t ldx, int
       _mm_prefetch(reinterpret_cast<const char*>(w + (p + u) * 2 * kBlock) + kPrefetchBytes, _MM_HINT_T1);
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (p + u) * 2 * kBlock);
 #pragma GCC unroll 32
-      for (int r = 0; r < ROWS; ++r)
-        acc[u][r] = _mm512_dpbf16_ps(acc[u][r], wv, (__m512bh)broadcast_pair(x + r * ldx + 2 * (p + u)));
+      for (int r = 0; r < ROWS; ++r) acc[u][r] = dot_pair(acc[u][r], wv, x + r * ldx + 2 * (p + u));
     }
   }
   for (; p < pairs; ++p) {
     const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + p * 2 * kBlock);
 #pragma GCC unroll 32
-    for (int r = 0; r < ROWS; ++r)
-      acc[0][r] = _mm512_dpbf16_ps(acc[0][r], wv, (__m512bh)broadcast_pair(x + r * ldx + 2 * p));
+    for (int r = 0; r < ROWS; ++r) acc[0][r] = dot_pair(acc[0][r], wv, x + r * ldx + 2 * p);
   }
 #pragma GCC unroll 32
   for (int r = 0; r < ROWS; ++r) {
@@ -1608,9 +1615,7 @@ void block_kernel_streams(const at::BFloat16* w, int64_t step, const at::BFloat1
         _mm_prefetch(reinterpret_cast<const char*>(line) + ahead, _MM_HINT_T1);
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(line);
 #pragma GCC unroll 32
-        for (int r = 0; r < ROWS; ++r)
-          acc[s][u][r] =
-              _mm512_dpbf16_ps(acc[s][u][r], wv, (__m512bh)broadcast_pair(x + r * ldx + 2 * (p + u)));
+        for (int r = 0; r < ROWS; ++r) acc[s][u][r] = dot_pair(acc[s][u][r], wv, x + r * ldx + 2 * (p + u));
       }
     }
   }
@@ -1619,8 +1624,7 @@ void block_kernel_streams(const at::BFloat16* w, int64_t step, const at::BFloat1
     for (int s = 0; s < S; ++s) {
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + s * w_step + p * 2 * kBlock);
 #pragma GCC unroll 32
-      for (int r = 0; r < ROWS; ++r)
-        acc[s][0][r] = _mm512_dpbf16_ps(acc[s][0][r], wv, (__m512bh)broadcast_pair(x + r * ldx + 2 * p));
+      for (int r = 0; r < ROWS; ++r) acc[s][0][r] = dot_pair(acc[s][0][r], wv, x + r * ldx + 2 * p);
     }
 #pragma GCC unroll 32
   for (int s = 0; s < S; ++s)
@@ -1648,50 +1652,6 @@ constexpr auto make_streams_table(std::integer_sequence<int, R...>) {
 }
 constexpr auto kStreams4 = make_streams_table<4>(std::make_integer_sequence<int, kFourStreamRows>{});
 constexpr auto kStreams2 = make_streams_table<2>(std::make_integer_sequence<int, kTwoStreamRows>{});
-
-// block_kernel for two adjacent blocks (32 output columns) and ROWS rows: each broadcast of an x pair
-// feeds two dot products. With 16 rows against one block a step is one W load, 16 broadcast loads and
-// 16 vdpbf16ps; here 2 W loads and ROWS broadcasts serve 2 x ROWS, so the loads no longer keep pace
-// with the dot products alone. 2 x 12 sums, the two W lines and a broadcast fit the 32 registers.
-template <int ROWS>
-void block_kernel_wide(const at::BFloat16* w, const at::BFloat16* x, int64_t ldx, int64_t pairs,
-                       const __m512* bias, at::BFloat16* y, int64_t ldy, const __mmask16* cols) {
-  const int64_t w_step = pairs * 2 * kBlock;
-  __m512 acc[2][ROWS];
-#pragma GCC unroll 32
-  for (int r = 0; r < ROWS; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    const at::BFloat16* line = w + p * 2 * kBlock;
-    _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(line + w_step) + kPrefetchBytes, _MM_HINT_T1);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(line), w1 = (__m512bh)_mm512_loadu_si512(line + w_step);
-#pragma GCC unroll 32
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512bh xr = (__m512bh)broadcast_pair(x + r * ldx + 2 * p);
-      acc[0][r] = _mm512_dpbf16_ps(acc[0][r], w0, xr);
-      acc[1][r] = _mm512_dpbf16_ps(acc[1][r], w1, xr);
-    }
-  }
-#pragma GCC unroll 32
-  for (int s = 0; s < 2; ++s)
-#pragma GCC unroll 32
-    for (int r = 0; r < ROWS; ++r)
-      _mm256_mask_storeu_epi16(y + s * kBlock + r * ldy, cols[s],
-                               (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[s][r], bias[s])));
-}
-
-using WideFn = void (*)(const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, const __m512*,
-                        at::BFloat16*, int64_t, const __mmask16*);
-constexpr int kWideRows = 12;  // rows of x against a pair of blocks
-// Fewer rows keep one block against up to 16 rows in one pass: with two passes of at most 12 rows over a
-// pair of blocks, 13 rows took 1.18x as long, 24 rows 1.07x; from 32 rows the pairs win (32: 0.89x,
-// 64: 0.88x, 128: 0.87x; the model's 30 layers and LM head, alternating builds).
-constexpr int64_t kWideMinRows = 32;
-template <int... R>
-constexpr auto make_wide_table(std::integer_sequence<int, R...>) {
-  return std::array<WideFn, sizeof...(R)>{&block_kernel_wide<R + 1>...};
-}
-constexpr auto kWideKernels = make_wide_table(std::make_integer_sequence<int, kWideRows>{});
 
 void linear_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat16* w, int64_t pairs,
                    int64_t n, const at::BFloat16* bias, at::BFloat16* y, int64_t ldy) {
@@ -1730,18 +1690,6 @@ void linear_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFlo
       };
       if (m <= kFourStreamRows) runs(4, kStreams4);
       runs(2, kStreams2);
-    } else if (m >= kWideMinRows) {
-      // Pairs of adjacent blocks against chunks of at most kWideRows rows.
-      const int64_t wide_chunks = (m + kWideRows - 1) / kWideRows;
-      for (; b + 1 < b1; b += 2) {
-        const __m512 biases[2] = {bias_of(b), bias_of(b + 1)};
-        const __mmask16 cols[2] = {cols_of(b), cols_of(b + 1)};
-        for (int64_t c = 0; c < wide_chunks; ++c) {
-          const int64_t r0 = m * c / wide_chunks, rows = m * (c + 1) / wide_chunks - r0;
-          kWideKernels[rows - 1](w + b * pairs * 2 * kBlock, x + r0 * ldx, ldx, pairs, biases,
-                                 y + r0 * ldy + b * kBlock, ldy, cols);
-        }
-      }
     }
     for (; b < b1; ++b) {
       const at::BFloat16* wb = w + b * pairs * 2 * kBlock;

@@ -342,8 +342,7 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
     # bf16 linear. Odd N and K exercise the padding of the packed copy. Up to 4 rows a thread reads its
     # blocks as four runs side by side, then what is left as two runs, then one block (200 and 100
     # columns leave 2 and 3 on a thread of 2 threads); up to 8 rows as two runs; above 16 rows the
-    # kernel makes several passes over each block of the weight, from 32 rows over pairs of blocks (an
-    # odd block left over on a thread).
+    # kernel makes several passes over each block of the weight.
     gen = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
