@@ -1504,10 +1504,11 @@ void rotary_write_kv_(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos
 
 constexpr int64_t kBlock = 16;  // output columns per block: one zmm of float32 sums
 // Rows of x computed against one pass over a W block: their sums and the W line stay in the 32 zmm
-// registers. More rows are split into balanced chunks, each rereading the block from L1/L2. One pass for
-// up to 28 rows measured no better overall (M = 20 slower by 8%, M = 28 faster by 9%): from M of about
-// 16 up, the time is set by vdpbf16ps throughput (about 3 per ns per core here), not by memory.
-constexpr int kMaxRows = 16;
+// registers (the x pairs take none: see dot_pair). More rows are split into balanced chunks, each
+// rereading the block from L1/L2. Against passes of at most 16 rows, whole decode steps of 17-28 rows
+// took 0.92-0.98 of the time, 40-64 rows 0.98-1.0 (context 300, alternating builds); single calls with
+// the weights in cache were even, and the LM head, streamed from memory, took 0.86-0.98 of the time.
+constexpr int kMaxRows = 30;
 // How far ahead of the line being read W is prefetched, into L2. Without it two threads stream about
 // 26 GB/s at M = 1 (bench.py, gate_up); 4 KB ahead gives 29-31 GB/s, about what a bare read loop reaches
 // on this machine. Nearer distances, or prefetching into L1, do less. The prefetches run up to 4 KB past

@@ -330,6 +330,7 @@ def _exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         (16, 3072, 576),
         (17, 15, 2),
         (26, 576, 576),
+        (30, 31, 40),
         (40, 33, 97),
         (64, 200, 96),
         (128, 576, 64),
@@ -341,8 +342,8 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
     # float32 rounding where a sum cancels to near zero), and at least as close to it as PyTorch's own
     # bf16 linear. Odd N and K exercise the padding of the packed copy. Up to 4 rows a thread reads its
     # blocks as four runs side by side, then what is left as two runs, then one block (200 and 100
-    # columns leave 2 and 3 on a thread of 2 threads); up to 8 rows as two runs; above 16 rows the
-    # kernel makes several passes over each block of the weight.
+    # columns leave 2 and 3 on a thread of 2 threads); up to 8 rows as two runs; up to 30 rows in one
+    # pass over each block of the weight, more in several.
     gen = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
