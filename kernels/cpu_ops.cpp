@@ -1529,8 +1529,8 @@ constexpr int64_t kFourStreamPrefetchBytes = 1024;
 // EPYC takes a vector pipe next to the dot products. Folded, in whole decode steps (context 300,
 // alternating builds): 12 rows 0.926 of the time, 16 rows 0.883, 28 rows 0.903, 32-64 rows 0.97-0.99;
 // single linears with the weights in cache: 9-31 rows 0.80-0.95, 48-1024 rows about 0.96. Folded, one
-// block against up to 16 rows at a time is also as fast as the kernel over pairs of blocks that served
-// 32 rows and more before (its one broadcast fed two products): whole decode steps of 32-96 rows took
+// block at a time (see kMaxRows) is also as fast as the kernel over pairs of blocks that served 32 rows
+// and more before, whose one broadcast fed two products: whole decode steps of 32-96 rows took
 // 0.95-0.99 of the time without it.
 using AliasedPair = int32_t __attribute__((may_alias));
 inline __m512 dot_pair(__m512 acc, __m512bh w, const at::BFloat16* p) {
