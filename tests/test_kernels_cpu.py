@@ -373,6 +373,26 @@ def test_linear_reads_strided_and_batched_inputs():
 
 
 @needs_linear
+@pytest.mark.parametrize("rows", [1, 8, 9, 30, 31, 61])
+@pytest.mark.parametrize(("size", "k"), [(96, 64), (40, 30), (48, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_silu_is_linear_then_silu_mul(rows, size, k, bias):
+    # The MLP's gate_up and activation in one pass where it applies (size a multiple of 16, even K, more
+    # than 8 rows: one pass over each block or several), else the two calls: the same bits either way,
+    # from a strided view and with leading dimensions too.
+    gen = torch.Generator().manual_seed(rows * size + k)
+    weight = torch.randn(2 * size, k, generator=gen).bfloat16()
+    b = torch.randn(2 * size, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, k + 5, generator=gen).bfloat16()[:, 2 : 2 + k]
+    kernels = cpu_ops.linear_kernels()
+    packed = kernels.pack_linear_weight(weight)
+    expected = kernels.silu_mul(kernels.linear(x, packed, 2 * size, b))
+    assert torch.equal(kernels.linear_silu(x, packed, size, b), expected)
+    batched = kernels.linear_silu(x.unsqueeze(0), packed, size, b)
+    assert batched.shape == (1, rows, size) and torch.equal(batched[0], expected)
+
+
+@needs_linear
 def test_linear_refuses_mismatched_shapes():
     kernels = cpu_ops.linear_kernels()
     packed = kernels.pack_linear_weight(torch.randn(40, 64).bfloat16())
