@@ -1712,9 +1712,9 @@ void linear_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFlo
 // the strip's as they come out; only the product is written, out [m, size]. The same roundings as linear
 // then silu_mul, without writing and reading back the [m, 2 * size] product, and without a parallel region
 // of its own. The SmolLM2 MLP's gate_up (576 -> 2 x 1536), alternating with linear then silu_mul, hot
-// weights: 9-64 rows 0.92-0.99 of the time, 2048 rows 0.89. Whole steps, alternating builds: prompts of
-// 2048 and 2060 tokens 0.963 and 0.963-0.980; decode at context 300-400, 12-64 sequences 0.95-0.99 (two
-// runs at 51 sequences read 1.02, a third 0.982).
+// weights: 9-64 rows 0.92-0.99 of the time, 2048 rows 0.89. Whole steps, alternating builds: prompt steps
+// of 2048 tokens (8 x 256) and 2060 (7 prompts of 60-500) 0.978 and 0.960; decode at context 300-400,
+// 12-64 sequences 0.95-0.99 (two runs at 51 sequences read 1.02, a third 0.982).
 void linear_silu_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat16* w, int64_t pairs,
                         int64_t size, const at::BFloat16* bias, at::BFloat16* out, int64_t ld_out) {
   const int64_t half = size / kBlock, chunks = (m + kMaxRows - 1) / kMaxRows,
@@ -1806,7 +1806,7 @@ at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t si
                        const c10::optional<at::Tensor>& bias) {
   check_linear(x, packed, 2 * size, bias);
 #if defined(__AVX512BF16__)
-  const int64_t k = x.size(-1), m = x.numel() / k;
+  const int64_t k = x.size(-1), m = x.numel() / std::max<int64_t>(1, k);
   if (size % kBlock == 0 && k % 2 == 0 && m > kTwoStreamRows) {
     const at::Tensor x2 = x.reshape({m, k}).contiguous();
     std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
@@ -1836,8 +1836,9 @@ bool has_linear() {
 // the conversion of its arguments, some microseconds, which for a single sequence is about 2 ms of a
 // 13 ms step on a 30-layer model: as much as attention and the pointwise ops together. DecoderStack
 // holds every layer's weights and runs all layers of a forward pass from here, the same kernels in the
-// same order as model.CausalLM.forward, so it computes the same bits. The model runs every step through
-// it where the kernels have their linear.
+// same order as model.CausalLM.forward (but for linear_silu, which is its gate_up linear then silu_mul
+// in one pass), so it computes the same bits. The model runs every step through it where the kernels
+// have their linear.
 
 struct StackLayer {
   at::Tensor qkv, o, gate_up, down;  // packed by pack_linear_weight

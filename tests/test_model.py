@@ -226,7 +226,8 @@ def test_bf16_loader_packs_linears_without_changing_the_logits(tmp_path, monkeyp
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_decoder_stack_computes_the_python_loops_bits(tmp_path, family):
     """The C++ DecoderStack against the model's own layer loop, on prompt chunks, a mixed step and
-    decode steps: the same kernels in the same order."""
+    decode steps: the same kernels in the same order (gate_up and SiLU as one pass where a step has
+    more than 8 rows), so the same bits."""
     _save_tiny_hf_model(FAMILIES[family](), tmp_path)
     model = load_model(tmp_path, torch.bfloat16, "cpu")
     if model.stack is None:

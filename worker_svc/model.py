@@ -397,8 +397,9 @@ class CausalLM(nn.Module):
 
     def _build_stack(self) -> Any:
         """The kernels' DecoderStack over this model's packed weights (shared, not copied). It runs the
-        same kernels as forward's Python loop, in the same order, so both compute the same bits; it
-        saves the Python work around each of the ~10 kernel calls per layer (batch 1: ~2 ms a step)."""
+        same kernels as forward's Python loop, in the same order (the MLP's gate_up linear and silu_mul
+        as one pass, with the same roundings), so both compute the same bits; it saves the Python work
+        around each of the ~10 kernel calls per layer (batch 1: ~2 ms a step)."""
         c = self.config
         stack = get_ops(self.device).decoder_stack(
             hidden=c.hidden_size,
