@@ -1657,10 +1657,27 @@ constexpr auto make_streams_table(std::integer_sequence<int, R...>) {
 constexpr auto kStreams4 = make_streams_table<4>(std::make_integer_sequence<int, kFourStreamRows>{});
 constexpr auto kStreams2 = make_streams_table<2>(std::make_integer_sequence<int, kTwoStreamRows>{});
 
+// Calls f(r0, rows) for the chunks of at most kMaxRows rows that m rows split into, as even as possible.
+template <typename F>
+inline void for_row_chunks(int64_t m, F&& f) {
+  const int64_t chunks = (m + kMaxRows - 1) / kMaxRows;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t r0 = m * c / chunks;
+    f(r0, m * (c + 1) / chunks - r0);
+  }
+}
+
+// Block b's bias (its columns in cols) in float32, added before the one rounding (as oneDNN and F.linear
+// do); zero without a bias.
+inline __m512 bias_block(const at::BFloat16* bias, int64_t b, __mmask16 cols) {
+  return bias == nullptr ? _mm512_setzero_ps()
+                         : _mm512_castsi512_ps(_mm512_slli_epi32(
+                               _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cols, bias + b * kBlock)), 16));
+}
+
 void linear_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat16* w, int64_t pairs,
                    int64_t n, const at::BFloat16* bias, at::BFloat16* y, int64_t ldy) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  const int64_t chunks = (m + kMaxRows - 1) / kMaxRows;
   const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), blocks));
   // Each thread takes a contiguous run of blocks: one sequential stream of W, and the work is even when the
   // blocks divide evenly (true for every SmolLM2 shape on two threads).
@@ -1671,13 +1688,7 @@ void linear_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFlo
     const auto cols_of = [&](int64_t b) {
       return static_cast<__mmask16>((1u << std::min<int64_t>(kBlock, n - b * kBlock)) - 1);
     };
-    // The bias in float32, added before the one rounding (as oneDNN and F.linear do).
-    const auto bias_of = [&](int64_t b) {
-      return bias == nullptr
-                 ? _mm512_setzero_ps()
-                 : _mm512_castsi512_ps(_mm512_slli_epi32(
-                       _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cols_of(b), bias + b * kBlock)), 16));
-    };
+    const auto bias_of = [&](int64_t b) { return bias_block(bias, b, cols_of(b)); };
     int64_t b = b0;
     if (m <= kTwoStreamRows) {
       // The thread's blocks as four runs (up to four rows), block i of each run together; what is left
@@ -1698,11 +1709,10 @@ void linear_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFlo
     for (; b < b1; ++b) {
       const at::BFloat16* wb = w + b * pairs * 2 * kBlock;
       const __m512 bias_f32 = bias_of(b);
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t r0 = m * c / chunks, rows = m * (c + 1) / chunks - r0;
+      for_row_chunks(m, [&](int64_t r0, int64_t rows) {
         kKernels[rows - 1](wb, x + r0 * ldx, ldx, pairs, bias_f32, y + r0 * ldy + b * kBlock, ldy,
                            cols_of(b));
-      }
+      });
     }
   }
 }
@@ -1717,8 +1727,7 @@ void linear_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFlo
 // 12-64 sequences 0.95-0.99 (two runs at 51 sequences read 1.02, a third 0.982).
 void linear_silu_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat16* w, int64_t pairs,
                         int64_t size, const at::BFloat16* bias, at::BFloat16* out, int64_t ld_out) {
-  const int64_t half = size / kBlock, chunks = (m + kMaxRows - 1) / kMaxRows,
-                block_elems = pairs * 2 * kBlock;
+  const int64_t half = size / kBlock, block_elems = pairs * 2 * kBlock;
   const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), half));
 #pragma omp parallel num_threads(threads)
   {
@@ -1726,23 +1735,18 @@ void linear_silu_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at:
     thread_local std::vector<at::BFloat16> gate;
     gate.resize(std::max<size_t>(gate.size(), m * kBlock));
     alignas(64) at::BFloat16 up[kMaxRows * kBlock];
-    const auto bias_of = [&](int64_t b) {
-      return bias == nullptr ? _mm512_setzero_ps() : load16_bf16(bias + b * kBlock);
-    };
     for (int64_t j = half * t / nt; j < half * (t + 1) / nt; ++j) {
-      const __m512 bias_gate = bias_of(j), bias_up = bias_of(half + j);
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t r0 = m * c / chunks, rows = m * (c + 1) / chunks - r0;
+      const __m512 bias_gate = bias_block(bias, j, 0xFFFF), bias_up = bias_block(bias, half + j, 0xFFFF);
+      for_row_chunks(m, [&](int64_t r0, int64_t rows) {
         kKernels[rows - 1](w + j * block_elems, x + r0 * ldx, ldx, pairs, bias_gate,
                            gate.data() + r0 * kBlock, kBlock, 0xFFFF);
-      }
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t r0 = m * c / chunks, rows = m * (c + 1) / chunks - r0;
+      });
+      for_row_chunks(m, [&](int64_t r0, int64_t rows) {
         kKernels[rows - 1](w + (half + j) * block_elems, x + r0 * ldx, ldx, pairs, bias_up, up, kBlock,
                            0xFFFF);
         for (int64_t r = 0; r < rows; ++r)
           silu_mul16(out + (r0 + r) * ld_out + j * kBlock, gate.data() + (r0 + r) * kBlock, up + r * kBlock);
-      }
+      });
     }
   }
 }
