@@ -72,6 +72,9 @@ class _SamplingFields(_Request):
             _checked_uint(token_id, "stop_token_ids")
         if self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be non-negative, got {self.min_tokens}", "min_tokens")
+        _checked_uint(self.min_tokens, "min_tokens")
+        # Sent as int32 (the engine's priority, SamplingParams.top_k): out of range is the caller's error.
+        _checked_int32(self.priority, "priority")
         if not 1 <= self.n <= MAX_N:
             raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
         if self.top_k is not None and self.top_k < -1:
@@ -79,7 +82,7 @@ class _SamplingFields(_Request):
                 f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}", "top_k"
             )
         sp = common_pb2.SamplingParams(
-            top_k=0 if self.top_k is None or self.top_k == -1 else self.top_k,
+            top_k=0 if self.top_k is None or self.top_k == -1 else _checked_int32(self.top_k, "top_k"),
             min_p=self.min_p or 0.0,
             stop=[self.stop] if isinstance(self.stop, str) else (self.stop or []),
             stop_token_ids=self.stop_token_ids or [],
@@ -115,6 +118,12 @@ class _SamplingFields(_Request):
 def _checked_uint(value: int, param: str) -> int:
     if value < 0 or value >= 1 << 32:
         raise InvalidRequestError(f"{param} must be a non-negative integer, got {value}", param)
+    return value
+
+
+def _checked_int32(value: int, param: str) -> int:
+    if not -(1 << 31) <= value < 1 << 31:
+        raise InvalidRequestError(f"{param} must be a 32-bit integer, got {value}", param)
     return value
 
 

@@ -46,7 +46,7 @@ _sampling = {
     "repetition_penalty": _numbers,
     "logit_bias": st.dictionaries(st.sampled_from(["0", "5", "-1", "x", "99999999"]), _numbers, max_size=3),
     "ignore_eos": st.booleans() | _any_json,
-    "min_tokens": st.integers(-2, 6),
+    "min_tokens": st.integers(-2, 6) | st.integers(-(2**65), 2**65),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | _any_json,
     "priority": _small_ints,
