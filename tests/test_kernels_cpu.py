@@ -334,6 +334,7 @@ def _exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         (40, 33, 97),
         (64, 200, 96),
         (128, 576, 64),
+        (250, 100, 96),
     ],
 )
 @pytest.mark.parametrize("bias", [False, True])
@@ -343,7 +344,8 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
     # bf16 linear. Odd N and K exercise the padding of the packed copy. Up to 4 rows a thread reads its
     # blocks as four runs side by side, then what is left as two runs, then one block (200 and 100
     # columns leave 2 and 3 on a thread of 2 threads); up to 8 rows as two runs; up to 30 rows in one
-    # pass over each block of the weight, more in several.
+    # pass over each block of the weight, more in several; past 120 rows (four passes) a group of rows
+    # through all blocks, then the next (250 rows: groups of 120, 120 and 10).
     gen = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
@@ -373,13 +375,13 @@ def test_linear_reads_strided_and_batched_inputs():
 
 
 @needs_linear
-@pytest.mark.parametrize("rows", [1, 8, 9, 30, 31, 61])
+@pytest.mark.parametrize("rows", [1, 8, 9, 30, 31, 61, 250])
 @pytest.mark.parametrize(("size", "k"), [(96, 64), (40, 30), (48, 33)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_silu_is_linear_then_silu_mul(rows, size, k, bias):
     # The MLP's gate_up and activation in one pass where it applies (size a multiple of 16, even K, more
-    # than 8 rows: one pass over each block or several), else the two calls: the same bits either way,
-    # from a strided view and with leading dimensions too.
+    # than 8 rows: one pass over each block or several, and past 120 rows in groups of rows), else the
+    # two calls: the same bits either way, from a strided view and with leading dimensions too.
     gen = torch.Generator().manual_seed(rows * size + k)
     weight = torch.randn(2 * size, k, generator=gen).bfloat16()
     b = torch.randn(2 * size, generator=gen).bfloat16() if bias else None
