@@ -902,7 +902,10 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
             load_row(k_block + j * a.slot_stride, &kb[j * a.head_dim], a.head_dim);
             load_row(v_block + j * a.slot_stride, &vb[j * a.head_dim], a.head_dim);
           }
-        // Scores of kTilePositions positions for all lanes; positions a lane must not see become -inf.
+        // Scores of kTilePositions positions for all lanes; positions a lane must not see become -inf (none
+        // can be in a block that ends by the first lane's position), and the new running max.
+        const bool masked = first + n - 1 > t.pos0;
+        __m512 new0 = max0, new1 = max1;
         for (int64_t j0 = 0; j0 < n; j0 += kTilePositions) {
           __m512 acc0[kTilePositions], acc1[kTilePositions];
           for (int64_t j = 0; j < kTilePositions; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps();
@@ -940,47 +943,52 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
           const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
           const __m512 score_scale = _mm512_set1_ps(kPairs ? a.fscale : 1.f);
           for (int64_t j = 0; j < m; ++j) {
-            const __m512i pos = _mm512_set1_epi32(static_cast<int32_t>(first + j0 + j));
-            _mm512_storeu_ps(&s[(j0 + j) * kTileLanes],
-                             _mm512_mask_mov_ps(_mm512_mul_ps(acc0[j], score_scale),
-                                                _mm512_cmpgt_epi32_mask(pos, limit0), ninf));
-            _mm512_storeu_ps(&s[(j0 + j) * kTileLanes + 16],
-                             _mm512_mask_mov_ps(_mm512_mul_ps(acc1[j], score_scale),
-                                                _mm512_cmpgt_epi32_mask(pos, limit1), ninf));
+            __m512 s0 = _mm512_mul_ps(acc0[j], score_scale), s1 = _mm512_mul_ps(acc1[j], score_scale);
+            if (masked) {
+              const __m512i pos = _mm512_set1_epi32(static_cast<int32_t>(first + j0 + j));
+              s0 = _mm512_mask_mov_ps(s0, _mm512_cmpgt_epi32_mask(pos, limit0), ninf);
+              s1 = _mm512_mask_mov_ps(s1, _mm512_cmpgt_epi32_mask(pos, limit1), ninf);
+            }
+            _mm512_storeu_ps(&s[(j0 + j) * kTileLanes], s0);
+            _mm512_storeu_ps(&s[(j0 + j) * kTileLanes + 16], s1);
+            new0 = _mm512_max_ps(new0, s0), new1 = _mm512_max_ps(new1, s1);
           }
         }
-        // Online softmax over the block: new running max, the old output and sum rescaled by
-        // exp(old max - new max), the scores turned into weights exp(s - new max).
-        __m512 new0 = max0, new1 = max1;
-        for (int64_t j = 0; j < n; ++j) {
-          new0 = _mm512_max_ps(new0, _mm512_loadu_ps(&s[j * kTileLanes]));
-          new1 = _mm512_max_ps(new1, _mm512_loadu_ps(&s[j * kTileLanes + 16]));
-        }
+        // Online softmax over the block: the old output and sum rescaled by exp(old max - new max), the
+        // scores turned into weights exp(s - new max).
         const __m512 alpha0 = exp512(_mm512_sub_ps(max0, new0)), alpha1 = exp512(_mm512_sub_ps(max1, new1));
         max0 = new0, max1 = new1;
         sum0 = _mm512_mul_ps(sum0, alpha0), sum1 = _mm512_mul_ps(sum1, alpha1);
-        for (int64_t j = 0; j < n; ++j) {
-          const __m512 p0 = exp512(_mm512_sub_ps(_mm512_loadu_ps(&s[j * kTileLanes]), new0));
-          const __m512 p1 = exp512(_mm512_sub_ps(_mm512_loadu_ps(&s[j * kTileLanes + 16]), new1));
-          _mm512_storeu_ps(&s[j * kTileLanes], p0);
-          _mm512_storeu_ps(&s[j * kTileLanes + 16], p1);
-          sum0 = _mm512_add_ps(sum0, p0), sum1 = _mm512_add_ps(sum1, p1);
-        }
+        if constexpr (!kPairs)  // bf16 takes its weights pair by pair below
+          for (int64_t j = 0; j < n; ++j) {
+            const __m512 p0 = exp512(_mm512_sub_ps(_mm512_loadu_ps(&s[j * kTileLanes]), new0));
+            const __m512 p1 = exp512(_mm512_sub_ps(_mm512_loadu_ps(&s[j * kTileLanes + 16]), new1));
+            _mm512_storeu_ps(&s[j * kTileLanes], p0);
+            _mm512_storeu_ps(&s[j * kTileLanes + 16], p1);
+            sum0 = _mm512_add_ps(sum0, p0), sum1 = _mm512_add_ps(sum1, p1);
+          }
         // ot[d][lane] = alpha * ot[d][lane] + sum over j of s[j][lane] * V[j][d], kTileColumns d at a time.
         if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-          // Positions in pairs (j, j + 1): the weights rounded to bf16 side by side per lane (as
-          // FlashAttention feeds P to its second product), V's two rows interleaved per column.
+          // Positions in pairs (j, j + 1): the weights, added to the sums in position order, then rounded
+          // to bf16 side by side per lane (as FlashAttention feeds P to its second product); V's two rows
+          // interleaved per column.
           const __m512i interleave =
               _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
                                5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
           for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
             const int64_t j = 2 * jp;
             const bool second = j + 1 < n;  // an odd block's last pair has one position
-            const __m512 zero = _mm512_setzero_ps();
             for (int64_t half = 0; half < 2; ++half) {
-              const __m512 lo = _mm512_loadu_ps(&s[j * kTileLanes + 16 * half]);
-              const __m512 hi = second ? _mm512_loadu_ps(&s[(j + 1) * kTileLanes + 16 * half]) : zero;
+              const __m512 shift = half == 0 ? new0 : new1;
+              __m512& sum = half == 0 ? sum0 : sum1;
+              const __m512 lo = exp512(_mm512_sub_ps(_mm512_loadu_ps(&s[j * kTileLanes + 16 * half]), shift));
+              sum = _mm512_add_ps(sum, lo);
+              __m512 hi = _mm512_setzero_ps();
+              if (second) {
+                hi = exp512(_mm512_sub_ps(_mm512_loadu_ps(&s[(j + 1) * kTileLanes + 16 * half]), shift));
+                sum = _mm512_add_ps(sum, hi);
+              }
               _mm512_storeu_si512(&pp[jp * kTileLanes + 16 * half],
                                   _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
             }
