@@ -70,9 +70,6 @@ class _SamplingFields(_Request):
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
         for token_id in self.stop_token_ids or []:
             _checked_uint(token_id, "stop_token_ids")
-        if self.min_tokens < 0:
-            raise InvalidRequestError(f"min_tokens must be non-negative, got {self.min_tokens}", "min_tokens")
-        _checked_uint(self.min_tokens, "min_tokens")
         # Sent as int32 (the engine's priority, SamplingParams.top_k): out of range is the caller's error.
         _checked_int32(self.priority, "priority")
         if not 1 <= self.n <= MAX_N:
@@ -90,7 +87,7 @@ class _SamplingFields(_Request):
             frequency_penalty=self.frequency_penalty or 0.0,
             n=self.n,
             ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens,
+            min_tokens=_checked_uint(self.min_tokens, "min_tokens"),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
         )

@@ -95,6 +95,7 @@ def test_echo_with_logprobs_asks_for_prompt_logprobs():
         ({"top_k": 2**31}, "top_k"),
         ({"priority": 2**31}, "priority"),
         ({"priority": -(2**31) - 1}, "priority"),
+        ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 2**32}, "min_tokens"),
         ({"min_p": 1.5}, "min_p"),
         ({"n": 0}, "n"),
