@@ -1,7 +1,7 @@
 // CPU kernels: paged attention straight from the block tables, the small per-layer ops of a decoder
 // fused into one pass each (RMSNorm with its residual add, RoPE with the KV cache write, SiLU with its
-// product), a bf16 linear layer on AVX-512 BF16, the sampler's argmax, and DecoderStack, which runs all
-// layers of a step in one call.
+// product), a bf16 linear layer (AVX-512 BF16, or AVX2 with FMA), the sampler's argmax, and DecoderStack,
+// which runs all layers of a step in one call.
 //
 // Same contracts as kernels/reference.py (see there and proto/worker.proto). Every kernel reads bf16,
 // fp16 or fp32 and computes in float32; the pointwise ones round to the tensor dtype exactly where the
@@ -25,7 +25,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -83,10 +83,53 @@ inline __m512 exp512(__m512 in) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// exp512 on AVX2: the same reduction and polynomial; 2^k is built in the exponent bits (k is -126 .. 127
+// after the clamp).
+inline __m256 exp256(__m256 in) {
+  const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
+  const __m256 v = _mm256_min_ps(_mm256_max_ps(in, lo), hi);
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v);
+  r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i scale =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+  return _mm256_and_ps(e, _mm256_cmp_ps(in, lo, _CMP_NLT_UQ));  // 0 below -87.3
+}
+
+// 8 floats to bf16 as c10's conversion rounds them: to nearest, ties to even, NaN to 0x7FC0.
+inline __m128i to_bf16_avx2(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0),
+                         _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// 8 bf16 or float values, widened to float32.
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+#endif
+
 inline void exp_inplace(float* x, int64_t n) {
   int64_t start = 0;
 #if defined(__AVX512F__)
   for (; start + 16 <= n; start += 16) _mm512_storeu_ps(x + start, exp512(_mm512_loadu_ps(x + start)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; start + 8 <= n; start += 8) _mm256_storeu_ps(x + start, exp256(_mm256_loadu_ps(x + start)));
 #endif
 #pragma omp simd
   for (int64_t i = start; i < n; ++i) {
@@ -1295,6 +1338,21 @@ void silu_mul_impl(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t s
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         for (; i + 16 <= size; i += 16) silu_mul16(o + i, gate + i, up + i);
       }
+#elif defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        for (; i + 8 <= size; i += 8) {
+          const __m256 g = load8(gate + i);
+          const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+          const __m256 rounded = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_avx2(silu)), 16));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), to_bf16_avx2(_mm256_mul_ps(rounded, load8(up + i))));
+        }
+      } else if constexpr (std::is_same_v<T, float>) {
+        for (; i + 8 <= size; i += 8) {
+          const __m256 g = load8(gate + i);
+          const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, load8(up + i)));
+        }
+      }
 #endif
       for (; i < size; ++i) {
         float e = -static_cast<float>(gate[i]);
@@ -1790,6 +1848,114 @@ void linear_silu_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at:
   }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+
+// The same packed layout without a bf16 dot product (AVX2 CPUs such as AMD Zen 2-3 and Intel before
+// Cooper Lake). Each 32-bit lane of a line holds one column's pair (k = 2p in its low half, 2p + 1 in
+// its high half), so a shift and a mask widen a half line to 8 float32 weights of k = 2p and 8 of
+// k = 2p + 1, exactly. x is widened to float32 once per group of rows (kAvx2GroupRows, into each
+// thread's buffer) and its values are broadcast from there. A product of two bf16 values is exact in
+// float32: the sums are float32 FMAs, in k order, rounded once to bf16 at the end, as on AVX-512.
+//
+// Against float32 weights through PyTorch's linear (oneDNN), on a 2-core AMD EPYC (Zen 3, 2 threads):
+// half the bytes to stream, and few rows are where oneDNN is slowest (numbers in model.PackedLinear).
+constexpr int kAvx2MaxRows = 4;  // 2 x 4 ymm sums + 4 widened weights + 2 broadcasts: 14 of 16 registers
+constexpr int64_t kAvx2GroupRows = 64;  // x rows widened at a time: 64 x 1536 float32 is 384 KB
+
+// U independent sets of sums over interleaved K pairs keep 8 FMA chains in flight at 1 and 2 rows.
+template <int ROWS, int U>
+void block_kernel_avx2(const at::BFloat16* w, const float* x, int64_t ldx, int64_t pairs, const float* bias,
+                       at::BFloat16* y, int64_t ldy, int64_t cols) {
+  __m256 acc[U][ROWS][2];
+#pragma GCC unroll 8
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) acc[u][r][0] = acc[u][r][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const auto step = [&](int u, int64_t pair) {
+    const at::BFloat16* line = w + pair * 2 * kBlock;
+    _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T1);
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + kBlock));
+    const __m256 even[2] = {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+    const __m256 odd[2] = {_mm256_castsi256_ps(_mm256_and_si256(lo, high)),
+                           _mm256_castsi256_ps(_mm256_and_si256(hi, high))};
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      const float* xr = x + r * ldx + 2 * pair;
+      const __m256 x0 = _mm256_broadcast_ss(xr), x1 = _mm256_broadcast_ss(xr + 1);
+      acc[u][r][0] = _mm256_fmadd_ps(even[0], x0, acc[u][r][0]);
+      acc[u][r][1] = _mm256_fmadd_ps(even[1], x0, acc[u][r][1]);
+      acc[u][r][0] = _mm256_fmadd_ps(odd[0], x1, acc[u][r][0]);
+      acc[u][r][1] = _mm256_fmadd_ps(odd[1], x1, acc[u][r][1]);
+    }
+  };
+  int64_t p = 0;
+  for (; p + U <= pairs; p += U)
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) step(u, p + u);
+  for (; p < pairs; ++p) step(0, p);
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+    alignas(32) at::BFloat16 row[kBlock];
+    for (int h = 0; h < 2; ++h) {
+      __m256 sum = _mm256_add_ps(acc[0][r][h], _mm256_loadu_ps(bias + 8 * h));
+      for (int u = 1; u < U; ++u) sum = _mm256_add_ps(sum, acc[u][r][h]);
+      _mm_store_si128(reinterpret_cast<__m128i*>(row + 8 * h), to_bf16_avx2(sum));
+    }
+    std::memcpy(y + r * ldy, row, cols * sizeof(at::BFloat16));
+  }
+}
+
+using BlockFnAvx2 = void (*)(const at::BFloat16*, const float*, int64_t, int64_t, const float*, at::BFloat16*,
+                             int64_t, int64_t);
+constexpr std::array<BlockFnAvx2, kAvx2MaxRows> kKernelsAvx2 = {
+    &block_kernel_avx2<1, 4>, &block_kernel_avx2<2, 2>, &block_kernel_avx2<3, 1>, &block_kernel_avx2<4, 1>};
+
+// n rows of x (k values each, k even) widened into out: bf16 to float32 is a 16-bit shift.
+inline void widen_rows_avx2(const at::BFloat16* x, int64_t ldx, int64_t n, int64_t k, float* out) {
+  for (int64_t r = 0; r < n; ++r) {
+    const at::BFloat16* src = x + r * ldx;
+    float* dst = out + r * k;
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)));
+    }
+    for (; i < k; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat16* w, int64_t pairs,
+                 int64_t n, const at::BFloat16* bias, at::BFloat16* y, int64_t ldy) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock, k = 2 * pairs;
+  const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), blocks));
+  // Each thread takes a contiguous run of blocks (one sequential stream of W), as linear_avx512.
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+    thread_local std::vector<float> xf;
+    xf.resize(std::max<size_t>(xf.size(), std::min(m, kAvx2GroupRows) * k));
+    for (int64_t g0 = 0; g0 < m; g0 += kAvx2GroupRows) {
+      const int64_t rows = std::min(kAvx2GroupRows, m - g0);
+      widen_rows_avx2(x + g0 * ldx, ldx, rows, k, xf.data());
+      for (int64_t j = b0; j < b1; ++j) {
+        const int64_t cols = std::min<int64_t>(kBlock, n - j * kBlock);
+        float bias_f32[kBlock] = {};
+        for (int64_t c = 0; bias != nullptr && c < cols; ++c)
+          bias_f32[c] = static_cast<float>(bias[j * kBlock + c]);
+        for (int64_t r0 = 0; r0 < rows; r0 += kAvx2MaxRows) {
+          const int64_t chunk = std::min<int64_t>(kAvx2MaxRows, rows - r0);
+          kKernelsAvx2[chunk - 1](w + j * pairs * 2 * kBlock, xf.data() + r0 * k, k, pairs, bias_f32,
+                                  y + (g0 + r0) * ldy + j * kBlock, ldy, cols);
+        }
+      }
+    }
+  }
+}
+
 #endif  // __AVX512BF16__
 
 // W [N, K] -> [ceil(N/16), ceil(K/2), 16, 2] (see the layout above), padded with zeros.
@@ -1836,8 +2002,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   linear_avx512(x2.const_data_ptr<at::BFloat16>(), x2.stride(0), m, packed.const_data_ptr<at::BFloat16>(),
                 pairs, n, bias.has_value() ? bias->const_data_ptr<at::BFloat16>() : nullptr,
                 y.mutable_data_ptr<at::BFloat16>(), y.stride(0));
+#elif defined(__AVX2__) && defined(__FMA__)
+  linear_avx2(x2.const_data_ptr<at::BFloat16>(), x2.stride(0), m, packed.const_data_ptr<at::BFloat16>(),
+              pairs, n, bias.has_value() ? bias->const_data_ptr<at::BFloat16>() : nullptr,
+              y.mutable_data_ptr<at::BFloat16>(), y.stride(0));
 #else
-  TORCH_CHECK(false, "this build has no AVX512_BF16 linear (see has_linear)");
+  TORCH_CHECK(false, "this build has no linear: it needs AVX-512 BF16 or AVX2 with FMA (see has_linear)");
 #endif
   return y.view(out_shape);
 }
@@ -1866,7 +2036,7 @@ at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t si
 }
 
 bool has_linear() {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
   return true;
 #else
   return false;

@@ -192,11 +192,16 @@ def test_loader_casts_to_the_requested_dtype(tmp_path):
 
 
 needs_packing = pytest.mark.skipif(
-    not can_pack_linears(torch.bfloat16, torch.device("cpu")), reason="no native bf16 oneDNN on this CPU"
+    not can_pack_linears(torch.bfloat16, torch.device("cpu")),
+    reason="neither the kernels' linear nor native bf16 oneDNN on this CPU",
+)
+needs_onednn_bf16 = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="no native bf16 oneDNN on this CPU",
 )
 
 
-@needs_packing
+@needs_onednn_bf16
 @pytest.mark.parametrize("rows", [1, 3, 16, 65])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_linear_bit_for_bit(rows, bias):
@@ -330,20 +335,38 @@ def test_config_reads_transformers_4_rope_fields():
 
 
 def test_parse_dtype():
-    native_bf16 = loader.cpu_has_native_bf16()
-    assert parse_dtype("auto", "cpu") == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert parse_dtype("auto", "cpu") == (torch.bfloat16 if loader.cpu_prefers_bf16() else torch.float32)
     assert parse_dtype("auto", "cuda") == torch.bfloat16
     assert parse_dtype("float16", "cpu") == torch.float16
     with pytest.raises(ValueError, match="unknown dtype"):
         parse_dtype("int8", "cpu")
 
 
-def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch):
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
+def test_auto_dtype_on_cpu_takes_bf16_where_it_is_faster(monkeypatch):
+    monkeypatch.setattr(loader, "cpu_prefers_bf16", lambda: True)
     assert parse_dtype("auto", "cpu") == torch.bfloat16
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(loader, "cpu_prefers_bf16", lambda: False)
     assert parse_dtype("auto", "cpu") == torch.float32
     assert parse_dtype("auto", "cuda") == torch.bfloat16
+
+
+def test_cpu_prefers_bf16_with_native_bf16_or_the_kernels_linear(monkeypatch):
+    from pagedserve import kernels
+    from pagedserve.kernels import cpu_ops, reference
+
+    def prefers(native: bool, ops) -> bool:
+        monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native)
+        monkeypatch.setattr(kernels, "get_ops", lambda device: ops)
+        loader.cpu_prefers_bf16.cache_clear()
+        return loader.cpu_prefers_bf16()
+
+    try:
+        assert prefers(True, reference)
+        assert not prefers(False, reference)  # PyTorch's emulated bf16 matmuls: float32 is faster
+        if cpu_ops.linear_kernels() is not None:
+            assert prefers(False, cpu_ops)
+    finally:
+        loader.cpu_prefers_bf16.cache_clear()
 
 
 # --- the default model ------------------------------------------------------------------------------

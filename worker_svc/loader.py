@@ -32,24 +32,37 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def parse_dtype(name: str, device: torch.device | str) -> torch.dtype:
     if name == "auto":
-        # bfloat16 on CUDA, and on CPUs with native bf16 matmuls (avx512_bf16 / AMX); float32 on other
-        # CPUs, where bf16 is emulated and slower. Measured on the 2-core development CPU (AMD EPYC with
-        # avx512_bf16, torch 2.13, 2 threads), default model SmolLM2-135M, ModelRunner.execute through the
-        # paged cache, min of 3 back to back (load average ~1.8):
+        # bfloat16 on CUDA, and on CPUs where it beats float32 (cpu_prefers_bf16). Measured on a 2-core
+        # AMD EPYC with avx512_bf16 (torch 2.13, 2 threads), default model SmolLM2-135M, ModelRunner.execute
+        # through the paged cache, min of 3 back to back (load average ~1.8):
         #   prefill, 2 sequences x 256 tokens:  float32 738 ms   bfloat16 407 ms  (1.8x)
         #   decode, 1 sequence, 256 context:    float32  60 ms   bfloat16  34 ms  (1.8x; half the bytes)
-        #   (earlier: prefill 2 x 128 471 / 269 ms, decode 8 x 64 79 / 42 ms)
+        # On a 2-core AMD EPYC with AVX2 and no AVX-512 (Zen 3), the offline engine on 24 requests of the
+        # mixed workload (bench/compare_transformers.py): float32 41.3 output tokens/s, bfloat16 through the
+        # kernels' AVX2 linear 72.9 and 76.5.
         # The price is accuracy: logits differ from float32 by up to 1.2, the argmax differs at 3% of the
         # positions of the chat prompt, and greedy output leaves transformers' float32 output within 10
         # tokens on one of two test prompts. Like vLLM's CPU backend, "auto" takes the speed; everything
         # that compares with transformers (tests, parity checks) passes --dtype float32 explicitly.
         device = torch.device(device)
-        if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
+        if device.type == "cuda" or (device.type == "cpu" and cpu_prefers_bf16()):
             return torch.bfloat16
         return torch.float32
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; expected one of: auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+@functools.cache
+def cpu_prefers_bf16() -> bool:
+    """Whether bfloat16 beats float32 on this CPU: it multiplies bf16 natively, or the C++ kernels have their
+    linear layer (AVX2 with FMA: bf16 weights widened as they stream, half the bytes of float32). Elsewhere
+    PyTorch emulates bf16 matmuls, about 100x slower than float32 on an AVX2 CPU."""
+    if cpu_has_native_bf16():
+        return True
+    from pagedserve.kernels import get_ops
+
+    return get_ops(torch.device("cpu")).linear_kernels() is not None
 
 
 @functools.cache

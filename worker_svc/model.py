@@ -185,7 +185,7 @@ def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype, device: torch
 
 class PackedLinear(nn.Module):
     """A linear layer whose weight is packed once: into the C++ CPU kernels' layout where they have their
-    bf16 linear (AVX-512 BF16), else into oneDNN's blocked layout for this CPU.
+    bf16 linear (AVX-512 BF16, or AVX2 with FMA), else into oneDNN's blocked layout for this CPU.
 
     NOTE: bf16 F.linear on CPU runs oneDNN but reorders (or reads strided) the plain [out, in] weight on
     every call. Prepacked for oneDNN, single-token decode streams the weights about 1.7x faster (one
@@ -219,13 +219,13 @@ class PackedLinear(nn.Module):
 
 
 def can_pack_linears(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether PackedLinear applies: bfloat16 on a CPU where oneDNN runs bf16 natively."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    """Whether PackedLinear applies: bfloat16 on a CPU where the kernels have their linear (AVX-512 BF16,
+    or AVX2 with FMA) or where oneDNN runs bf16 natively."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    if get_ops(device).linear_kernels() is not None:
+        return True
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class Attention(nn.Module):
