@@ -31,7 +31,7 @@ from tqdm import tqdm
 from pagedserve.model_files import resolve_model
 from pagedserve.proto import common_pb2, worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec
-from pagedserve.worker_svc.loader import load_model, parse_dtype
+from pagedserve.worker_svc.loader import cpu_has_native_bf16, load_model, parse_dtype
 from pagedserve.worker_svc.runner import ModelRunner
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -51,6 +51,11 @@ def best_seconds(fn, repeats: int) -> float:
 
 
 def measure_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of PyTorch's n x n matmul in dtype. On a CPU without native bf16 the float32 rate stands for
+    bf16's: there PyTorch emulates bf16 matmuls (about 1 GFLOP/s on a Zen 3 core pair), and the kernels'
+    AVX2 linear widens bf16 to float32 and multiplies in float32."""
+    if dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        dtype = torch.float32
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     return 2 * n**3 / best_seconds(lambda: torch.mm(a, b), repeats)

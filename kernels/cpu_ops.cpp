@@ -43,6 +43,24 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+#if defined(__AVX2__)
+// 8 bf16 or float values, widened to float32.
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// bf16 rows widened 8 at a time (a 16-bit shift), which GCC leaves to c10's scalar conversion.
+inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+#endif
+
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float sum = 0.f;
@@ -116,12 +134,6 @@ inline __m128i to_bf16_avx2(__m256 v) {
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-// 8 bf16 or float values, widened to float32.
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 #endif
 
 inline void exp_inplace(float* x, int64_t n) {
@@ -277,12 +289,42 @@ inline void block_scores_bf16(const at::BFloat16* q, const at::BFloat16* rows, i
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// Lane j < 4 of the result: the sum of the 8 lanes of v[j].
+inline __m128 sum_lanes4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+}
+
+// block_scores on AVX2 for a head size that is a multiple of 8: four rows at a time, each row's products
+// summed in 8 lanes and the four reduced together (the plain loop reduces every dot product on its own).
+inline void block_scores_avx2(const float* q, const float* rows, int64_t stride, int64_t n, int64_t size,
+                              float* out) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* r = rows + j * stride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < size; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + d), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + stride + d), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 2 * stride + d), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 3 * stride + d), a3);
+    }
+    _mm_storeu_ps(out + j, sum_lanes4(a0, a1, a2, a3));
+  }
+  for (; j < n; ++j) out[j] = dot(q, rows + j * stride, size);
+}
+#endif
+
 inline void block_scores(const float* q, const float* rows, int64_t stride, int64_t n, int64_t size,
                          float* out) {
 #if defined(__AVX512F__)
   if (with_head_chunks(
           size, [&](auto chunks) { block_scores_avx512<decltype(chunks)::value>(q, rows, stride, n, out); }))
     return;
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (size % 8 == 0) return block_scores_avx2(q, rows, stride, n, size, out);
 #endif
   for (int64_t j = 0; j < n; ++j) out[j] = dot(q, rows + j * stride, size);
 }
@@ -296,6 +338,12 @@ inline float exp_shifted_sum(float* s, int64_t n, float* max_out = nullptr) {
   __m512 vmax = _mm512_set1_ps(max);
   for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
   max = _mm512_reduce_max_ps(vmax);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 vmax = _mm256_set1_ps(max);
+  for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  max = *std::max_element(lanes, lanes + 8);
 #endif
   for (; i < n; ++i) max = std::max(max, s[i]);
   if (max_out != nullptr) *max_out = max;
@@ -306,6 +354,12 @@ inline float exp_shifted_sum(float* s, int64_t n, float* max_out = nullptr) {
   __m512 vsum = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) vsum = _mm512_add_ps(vsum, _mm512_loadu_ps(s + i));
   sum = _mm512_reduce_add_ps(vsum);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 vsum = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) vsum = _mm256_add_ps(vsum, _mm256_loadu_ps(s + i));
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  sum = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 #endif
   for (; i < n; ++i) sum += s[i];
   return sum;
@@ -338,6 +392,25 @@ inline void accumulate_rows_avx512(float* acc, const float* w, const float* rows
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// accumulate_rows on AVX2 for a head size that is a multiple of 8: up to 64 values of acc held in
+// registers over the block's rows (the plain loop loads and stores acc for every row).
+inline void accumulate_rows_avx2(float* acc, const float* w, const float* rows, int64_t stride, int64_t n,
+                                 int64_t size) {
+  for (int64_t d0 = 0; d0 < size; d0 += 64) {
+    const int chunks = static_cast<int>(std::min<int64_t>(8, (size - d0) / 8));
+    __m256 a[8];
+    for (int c = 0; c < chunks; ++c) a[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 wj = _mm256_set1_ps(w[j]);
+      const float* row = rows + j * stride + d0;
+      for (int c = 0; c < chunks; ++c) a[c] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(row + 8 * c), a[c]);
+    }
+    for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(acc + d0 + 8 * c, a[c]);
+  }
+}
+#endif
+
 inline void accumulate_rows(float* acc, const float* w, const float* rows, int64_t stride, int64_t n,
                             int64_t size) {
 #if defined(__AVX512F__)
@@ -345,6 +418,8 @@ inline void accumulate_rows(float* acc, const float* w, const float* rows, int64
         accumulate_rows_avx512<decltype(chunks)::value>(acc, w, rows, stride, n);
       }))
     return;
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (size % 8 == 0) return accumulate_rows_avx2(acc, w, rows, stride, n, size);
 #endif
   for (int64_t j = 0; j < n; ++j) {
     const float wj = w[j];
@@ -1913,20 +1988,6 @@ using BlockFnAvx2 = void (*)(const at::BFloat16*, const float*, int64_t, int64_t
 constexpr std::array<BlockFnAvx2, kAvx2MaxRows> kKernelsAvx2 = {
     &block_kernel_avx2<1, 4>, &block_kernel_avx2<2, 2>, &block_kernel_avx2<3, 1>, &block_kernel_avx2<4, 1>};
 
-// n rows of x (k values each, k even) widened into out: bf16 to float32 is a 16-bit shift.
-inline void widen_rows_avx2(const at::BFloat16* x, int64_t ldx, int64_t n, int64_t k, float* out) {
-  for (int64_t r = 0; r < n; ++r) {
-    const at::BFloat16* src = x + r * ldx;
-    float* dst = out + r * k;
-    int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)));
-    }
-    for (; i < k; ++i) dst[i] = static_cast<float>(src[i]);
-  }
-}
-
 void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat16* w, int64_t pairs,
                  int64_t n, const at::BFloat16* bias, at::BFloat16* y, int64_t ldy) {
   const int64_t blocks = (n + kBlock - 1) / kBlock, k = 2 * pairs;
@@ -1940,7 +2001,7 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
     xf.resize(std::max<size_t>(xf.size(), std::min(m, kAvx2GroupRows) * k));
     for (int64_t g0 = 0; g0 < m; g0 += kAvx2GroupRows) {
       const int64_t rows = std::min(kAvx2GroupRows, m - g0);
-      widen_rows_avx2(x + g0 * ldx, ldx, rows, k, xf.data());
+      for (int64_t r = 0; r < rows; ++r) load_row(x + (g0 + r) * ldx, xf.data() + r * k, k);
       for (int64_t j = b0; j < b1; ++j) {
         const int64_t cols = std::min<int64_t>(kBlock, n - j * kBlock);
         float bias_f32[kBlock] = {};

@@ -175,8 +175,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_kernels() -> ModuleType | None:
-    """The extension when this build has its bf16 linear (AVX-512 BF16: `pack_linear_weight(weight)` once,
-    then `linear(x, packed, out_features, bias)`), else None. The model's prepacked linear layers run
+    """The extension when this build has its bf16 linear (AVX-512 BF16, or AVX2 with FMA:
+    `pack_linear_weight(weight)` once, then `linear(x, packed, out_features, bias)`), else None. The model's prepacked linear layers run
     through it (model.PackedLinear)."""
     module = load()
     return module if module.has_linear() else None

@@ -74,7 +74,7 @@ def test_the_kernels_packed_weights_lie_in_huge_pages():
 
     kernels = cpu_ops.linear_kernels()
     if kernels is None:
-        pytest.skip("this CPU has no AVX-512 BF16 linear")
+        pytest.skip("this CPU build has no linear (it needs AVX-512 BF16 or AVX2 with FMA)")
     weight = torch.randn(1536, 1152).to(torch.bfloat16)  # 3.4 MB packed
     linear = PackedLinear(weight, None, kernels)
     assert _mapping_of(linear.weight.data_ptr())["AnonHugePages"] >= 2048

@@ -309,7 +309,10 @@ def test_argmax_of_anything_else_is_torchs():
 
 # ---- the linear layer of few rows ----------------------------------------------------------------------
 
-needs_linear = pytest.mark.skipif(cpu_ops.linear_kernels() is None, reason="no AVX-512 BF16 in this build")
+needs_linear = pytest.mark.skipif(
+    cpu_ops.linear_kernels() is None,
+    reason="no linear in this build (it needs AVX-512 BF16 or AVX2 with FMA)",
+)
 
 
 def _exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -236,7 +236,7 @@ def test_decoder_stack_computes_the_python_loops_bits(tmp_path, family):
     _save_tiny_hf_model(FAMILIES[family](), tmp_path)
     model = load_model(tmp_path, torch.bfloat16, "cpu")
     if model.stack is None:
-        pytest.skip("this CPU build has no AVX-512 BF16 linear, so no DecoderStack")
+        pytest.skip("this CPU build has no linear (AVX-512 BF16 or AVX2 with FMA), so no DecoderStack")
     stack = model.stack
     gen = torch.Generator().manual_seed(5)
     tokens = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (40, 30)]
@@ -258,7 +258,7 @@ def test_decoder_stack_refuses_token_ids_and_positions_outside_its_tables(tmp_pa
     _save_tiny_hf_model(FAMILIES["llama_linear_rope_tied"](), tmp_path)
     model = load_model(tmp_path, torch.bfloat16, "cpu")
     if model.stack is None:
-        pytest.skip("this CPU build has no AVX-512 BF16 linear, so no DecoderStack")
+        pytest.skip("this CPU build has no linear (AVX-512 BF16 or AVX2 with FMA), so no DecoderStack")
     cache = PagedCache(model, 1, block_size=4)
     tables = (model.embed_tokens.weight, model.rope.table)
     caches = ([k for k, _ in cache.kv_caches], [v for _, v in cache.kv_caches])
