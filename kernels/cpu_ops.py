@@ -12,7 +12,8 @@ small ops (RMSNorm alone is five). Here attention reads the paged cache in place
 one; prompt chunks, on AVX-512, as tiled products with the bf16 dot-product instruction), and RMSNorm
 with its residual add, RoPE with the KV write, and SiLU with its product, are one pass each. On AVX-512
 BF16 it also has a linear layer, at least as fast as oneDNN at every batch size (model.PackedLinear),
-and DecoderStack, all decoder layers of a step in one call. Where the tiled path cannot run, long
+and on AVX2 with FMA one that widens the bf16 weights as it streams them; with either, DecoderStack runs
+all decoder layers of a step in one call. Where the tiled path cannot run, long
 prompts in the model's Python layer loop take dense SDPA (reference.prefill_sequence), which beats the
 per-row kernel on them; DecoderStack has no such fallback (see the note on decoder_stack).
 """
