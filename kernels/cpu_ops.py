@@ -192,7 +192,10 @@ def decoder_stack(**shape: object) -> object:
     TILE_MIN_LANES query vectors per kv head takes the tiled kernel, so this matters only for head sizes
     that are not a multiple of 16 (or more than 32 query heads per kv head), whose long prompts then go
     through the row kernel: slower there, not wrong. The released models of every supported family use
-    head sizes of 64 or 128."""
+    head sizes of 64 or 128. On AVX2 builds (no tiled kernel) every prompt takes the row kernel, which
+    there is as fast as SDPA up to 1000 tokens and 1.08x as slow at 2000 (one layer of SmolLM2 in bf16,
+    2 threads, a 2-core Zen 3: 500 tokens 4.8 against 9.7 ms, 1000: 27.6 against 26.7, 2000: 91.9
+    against 85.1)."""
     return load().DecoderStack(min_tile_lanes=TILE_MIN_LANES, **shape)
 
 
