@@ -7,6 +7,11 @@ The extension is built on first use (g++ and ninja); the module is skipped where
 
 from __future__ import annotations
 
+import platform
+import shutil
+import subprocess
+import sysconfig
+
 import pytest
 import torch
 from test_kernels_reference import (
@@ -433,3 +438,47 @@ def test_bf16_model_through_the_kernels_is_as_accurate_as_through_the_reference(
         got = torch.cat([logits[:69], decode[:1], logits[69:], decode[1:]])
         errors[kernels] = (got - expected).abs().max().item()
     assert errors["on"] <= 1.25 * errors["off"] + 1e-3, errors
+
+
+# ---- every instruction set's branch compiles ------------------------------------------------------------
+
+# The build targets the CPU it runs on (-march=native), so a machine compiles only its own branch of the
+# source's #if ladders. Each is compiled here whatever CPU runs the suite: the portable loops (no AVX2),
+# AVX2 with FMA, AVX-512 without BF16, AVX-512 BF16.
+MARCHES = ["x86-64-v2", "haswell", "icelake-server", "sapphirerapids"]
+
+
+@pytest.fixture(scope="module")
+def compiled_marches(tmp_path_factory) -> dict[str, subprocess.CompletedProcess[str]]:
+    from torch.utils import cpp_extension
+
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    flags = [f for f in cpu_ops.CFLAGS if f not in ("-O3", "-march=native")]
+    out = tmp_path_factory.mktemp("march")
+    # -O0 still inlines the intrinsics, so one outside its branch fails ("target specific option mismatch"),
+    # in about half of -O3's time.
+    procs = {
+        march: subprocess.Popen(
+            ["g++", "-std=c++20", "-O0", f"-march={march}", *flags, "-DTORCH_EXTENSION_NAME=check"]
+            + [f"-I{p}" for p in includes]
+            + ["-c", str(cpu_ops.SOURCE), "-o", str(out / f"{march}.o")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for march in MARCHES
+    }
+    done = {}
+    for march, proc in procs.items():
+        stdout, stderr = proc.communicate()
+        done[march] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return done
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None or platform.machine() != "x86_64", reason="needs g++ on x86-64"
+)
+@pytest.mark.parametrize("march", MARCHES)
+def test_the_source_compiles_for_each_instruction_set(compiled_marches, march):
+    result = compiled_marches[march]
+    assert result.returncode == 0, result.stderr[-4000:]
