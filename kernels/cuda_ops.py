@@ -319,12 +319,32 @@ def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+class _StreamHandle:
+    """A raw cudaStream_t under the CUDA stream protocol (`__cuda_stream__`: version 0, the handle)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def _external_stream(cupy: Any, ptr: int, index: int) -> Any:
+    """torch's stream as a CuPy stream: through the stream protocol where CuPy has it (14 and newer, which
+    deprecate ExternalStream), else as an ExternalStream."""
+    if hasattr(cupy.cuda.Stream, "from_external"):
+        return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+    return cupy.cuda.ExternalStream(ptr, index)
+
+
 def _launch(device: torch.device, entry: Entry, grid, block, args, shared_mem: int = 0) -> None:
     cupy = _cupy()
     index = _device_index(device)
     kernel = _kernel(entry, index)
     stream = torch.cuda.current_stream(index).cuda_stream
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream):
+    with cupy.cuda.Device(index), _external_stream(cupy, stream, index):
         kernel(grid, block, args, shared_mem=shared_mem)
 
 
