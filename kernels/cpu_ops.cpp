@@ -1937,6 +1937,29 @@ void linear_silu_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at:
 constexpr int kAvx2MaxRows = 4;  // 2 x 4 ymm sums + 4 widened weights + 2 broadcasts: 14 of 16 registers
 constexpr int64_t kAvx2GroupRows = 64;  // x rows widened at a time: 64 x 1536 float32 is 384 KB
 
+// A packed line (K pair p of a block's 16 columns), fetched `ahead` bytes early, widened: even[h] holds the
+// k = 2p weights of columns 8h .. 8h + 7 in float32, odd[h] those of k = 2p + 1.
+struct WideLine {
+  __m256 even[2], odd[2];
+};
+inline WideLine widen_line(const at::BFloat16* line, int64_t ahead) {
+  _mm_prefetch(reinterpret_cast<const char*>(line) + ahead, _MM_HINT_T1);
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + kBlock));
+  return {{_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))},
+          {_mm256_castsi256_ps(_mm256_and_si256(lo, high)), _mm256_castsi256_ps(_mm256_and_si256(hi, high))}};
+}
+
+// acc (a row's 16 sums) += the line times the row's pair at xr, k = 2p first.
+inline void fma_line(__m256 (&acc)[2], const WideLine& l, const float* xr) {
+  const __m256 x0 = _mm256_broadcast_ss(xr), x1 = _mm256_broadcast_ss(xr + 1);
+  acc[0] = _mm256_fmadd_ps(l.even[0], x0, acc[0]);
+  acc[1] = _mm256_fmadd_ps(l.even[1], x0, acc[1]);
+  acc[0] = _mm256_fmadd_ps(l.odd[0], x1, acc[0]);
+  acc[1] = _mm256_fmadd_ps(l.odd[1], x1, acc[1]);
+}
+
 // U independent sets of sums over interleaved K pairs keep 8 FMA chains in flight at 1 and 2 rows.
 template <int ROWS, int U>
 void block_kernel_avx2(const at::BFloat16* w, const float* x, int64_t ldx, int64_t pairs, const float* bias,
@@ -1946,25 +1969,10 @@ void block_kernel_avx2(const at::BFloat16* w, const float* x, int64_t ldx, int64
   for (int u = 0; u < U; ++u)
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) acc[u][r][0] = acc[u][r][1] = _mm256_setzero_ps();
-  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const auto step = [&](int u, int64_t pair) {
-    const at::BFloat16* line = w + pair * 2 * kBlock;
-    _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T1);
-    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
-    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + kBlock));
-    const __m256 even[2] = {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
-                            _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
-    const __m256 odd[2] = {_mm256_castsi256_ps(_mm256_and_si256(lo, high)),
-                           _mm256_castsi256_ps(_mm256_and_si256(hi, high))};
+    const WideLine line = widen_line(w + pair * 2 * kBlock, kPrefetchBytes);
 #pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) {
-      const float* xr = x + r * ldx + 2 * pair;
-      const __m256 x0 = _mm256_broadcast_ss(xr), x1 = _mm256_broadcast_ss(xr + 1);
-      acc[u][r][0] = _mm256_fmadd_ps(even[0], x0, acc[u][r][0]);
-      acc[u][r][1] = _mm256_fmadd_ps(even[1], x0, acc[u][r][1]);
-      acc[u][r][0] = _mm256_fmadd_ps(odd[0], x1, acc[u][r][0]);
-      acc[u][r][1] = _mm256_fmadd_ps(odd[1], x1, acc[u][r][1]);
-    }
+    for (int r = 0; r < ROWS; ++r) fma_line(acc[u][r], line, x + r * ldx + 2 * pair);
   };
   int64_t p = 0;
   for (; p + U <= pairs; p += U)
@@ -1988,40 +1996,35 @@ using BlockFnAvx2 = void (*)(const at::BFloat16*, const float*, int64_t, int64_t
 constexpr std::array<BlockFnAvx2, kAvx2MaxRows> kKernelsAvx2 = {
     &block_kernel_avx2<1, 4>, &block_kernel_avx2<2, 2>, &block_kernel_avx2<3, 1>, &block_kernel_avx2<4, 1>};
 
-// One row against four blocks at once, `step` blocks apart: four sequential streams of W a thread, each
+// ROWS rows against S blocks at once, `step` blocks apart: S sequential streams of W a thread, each
 // prefetched 1 KB ahead (a core reads faster from several streams than from one; see block_kernel_streams).
-// On a 2-core Zen 3, single calls at one row against one stream, alternating: gate_up 22.5 -> 31-33 GB/s of
-// W, the LM head 25 -> 34, qkv 20 -> 22, down 20 -> 23.5; a single sequence's decode step at 128 positions
-// 16.4 and 15.9 -> 13.3 and 13.0 ms. The same sums in the same order: the same bits.
-void row_streams4_avx2(const at::BFloat16* w, int64_t step, const float* x, int64_t pairs, const float* bias,
-                       at::BFloat16* y, const int64_t* cols) {
-  constexpr int S = 4;
+// On a 2-core Zen 3, single calls at one row, four streams against one, alternating: gate_up 22.5 -> 31-33
+// GB/s of W, the LM head 25 -> 34, qkv 20 -> 22, down 20 -> 23.5; a single sequence's decode step at 128
+// positions 16.4 and 15.9 -> 13.3 and 13.0 ms. Two rows as two streams: 22-25 -> 26-29 GB/s of W. The sums
+// run in k order, one set per row and block.
+template <int S, int ROWS>
+void rows_streams_avx2(const at::BFloat16* w, int64_t step, const float* x, int64_t ldx, int64_t pairs,
+                       const float* bias, at::BFloat16* y, int64_t ldy, const int64_t* cols) {
   const int64_t w_step = step * pairs * 2 * kBlock;
-  __m256 acc[S][2];
-  for (int s = 0; s < S; ++s) acc[s][0] = acc[s][1] = _mm256_setzero_ps();
-  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  for (int64_t p = 0; p < pairs; ++p) {
-    const __m256 x0 = _mm256_broadcast_ss(x + 2 * p), x1 = _mm256_broadcast_ss(x + 2 * p + 1);
+  __m256 acc[S][ROWS][2];
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < ROWS; ++r) acc[s][r][0] = acc[s][r][1] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p)
 #pragma GCC unroll 4
     for (int s = 0; s < S; ++s) {
-      const at::BFloat16* line = w + s * w_step + p * 2 * kBlock;
-      _mm_prefetch(reinterpret_cast<const char*>(line) + kFourStreamPrefetchBytes, _MM_HINT_T1);
-      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
-      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + kBlock));
-      acc[s][0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), x0, acc[s][0]);
-      acc[s][1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(hi, 16)), x0, acc[s][1]);
-      acc[s][0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(lo, high)), x1, acc[s][0]);
-      acc[s][1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(hi, high)), x1, acc[s][1]);
+      const WideLine line = widen_line(w + s * w_step + p * 2 * kBlock, kFourStreamPrefetchBytes);
+#pragma GCC unroll 4
+      for (int r = 0; r < ROWS; ++r) fma_line(acc[s][r], line, x + r * ldx + 2 * p);
     }
-  }
-  for (int s = 0; s < S; ++s) {
-    alignas(32) at::BFloat16 row[kBlock];
-    for (int h = 0; h < 2; ++h) {
-      const __m256 sum = _mm256_add_ps(acc[s][h], _mm256_loadu_ps(bias + s * kBlock + 8 * h));
-      _mm_store_si128(reinterpret_cast<__m128i*>(row + 8 * h), to_bf16_avx2(sum));
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < ROWS; ++r) {
+      alignas(32) at::BFloat16 row[kBlock];
+      for (int h = 0; h < 2; ++h) {
+        const __m256 sum = _mm256_add_ps(acc[s][r][h], _mm256_loadu_ps(bias + s * kBlock + 8 * h));
+        _mm_store_si128(reinterpret_cast<__m128i*>(row + 8 * h), to_bf16_avx2(sum));
+      }
+      std::memcpy(y + s * step * kBlock + r * ldy, row, cols[s] * sizeof(at::BFloat16));
     }
-    std::memcpy(y + s * step * kBlock, row, cols[s] * sizeof(at::BFloat16));
-  }
 }
 
 void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat16* w, int64_t pairs,
@@ -2046,17 +2049,22 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
           bias_f32[c] = static_cast<float>(bias[j * kBlock + c]);
       };
       int64_t j = b0;
-      if (rows == 1) {  // the thread's blocks as four runs, block i of each together; the rest one by one
-        const int64_t part = (b1 - b0) / 4;
+      // One row: the thread's blocks as four runs, block i of each together; two rows: as two runs. The
+      // rest one block at a time.
+      const auto runs = [&](auto streams, auto rows_c) {
+        constexpr int S = decltype(streams)::value;
+        const int64_t part = (b1 - b0) / S;
         for (; j < b0 + part; ++j) {
-          int64_t cols[4];
-          float bias4[4 * kBlock];
-          for (int s = 0; s < 4; ++s) block_of(j + s * part, cols[s], bias4 + s * kBlock);
-          row_streams4_avx2(w + j * pairs * 2 * kBlock, part, xf.data(), pairs, bias4,
-                            y + g0 * ldy + j * kBlock, cols);
+          int64_t cols[S];
+          float bias_s[S * kBlock];
+          for (int s = 0; s < S; ++s) block_of(j + s * part, cols[s], bias_s + s * kBlock);
+          rows_streams_avx2<S, decltype(rows_c)::value>(w + j * pairs * 2 * kBlock, part, xf.data(), k, pairs,
+                                                        bias_s, y + g0 * ldy + j * kBlock, ldy, cols);
         }
-        j = b0 + 4 * part;
-      }
+        j = b0 + S * part;
+      };
+      if (rows == 1) runs(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
+      if (rows == 2) runs(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
       for (; j < b1; ++j) {
         int64_t cols;
         float bias_f32[kBlock];

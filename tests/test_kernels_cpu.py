@@ -354,8 +354,9 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
     # columns leave 2 and 3 on a thread of 2 threads); up to 8 rows as two runs; up to 30 rows in one
     # pass over each block of the weight, more in several; past 120 rows (four passes) a group of rows
     # through all blocks, then the next (250 rows: nine chunks of 27-28, in groups of 111, 111 and 28).
-    # On AVX2: one row as four runs side by side, then one block at a time (960 columns: 30 blocks a
-    # thread, 7 in each run and 2 left); up to 4 rows a pass, past 64 rows a group at a time.
+    # On AVX2: one row as four runs side by side and two rows as two, then one block at a time (960
+    # columns: 30 blocks a thread, 7 in each of four runs and 2 left); up to 4 rows a pass, past 64 rows a
+    # group at a time.
     gen = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
