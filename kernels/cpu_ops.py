@@ -13,9 +13,9 @@ one; prompt chunks, on AVX-512, as tiled products with the bf16 dot-product inst
 with its residual add, RoPE with the KV write, and SiLU with its product, are one pass each. On AVX-512
 BF16 it also has a linear layer, at least as fast as oneDNN at every batch size (model.PackedLinear),
 and on AVX2 with FMA one that widens the bf16 weights as it streams them; with either, DecoderStack runs
-all decoder layers of a step in one call. Where the tiled path cannot run, long
-prompts in the model's Python layer loop take dense SDPA (reference.prefill_sequence), which beats the
-per-row kernel on them; DecoderStack has no such fallback (see the note on decoder_stack).
+all decoder layers of a step in one call. Where the tiled path cannot run, long prompts in the model's
+Python layer loop take dense SDPA (reference.prefill_sequence), which beats the per-row kernel on them;
+DecoderStack has no such fallback (see the note on decoder_stack).
 """
 
 from __future__ import annotations
@@ -177,8 +177,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 def linear_kernels() -> ModuleType | None:
     """The extension when this build has its bf16 linear (AVX-512 BF16, or AVX2 with FMA:
-    `pack_linear_weight(weight)` once, then `linear(x, packed, out_features, bias)`), else None. The model's prepacked linear layers run
-    through it (model.PackedLinear)."""
+    `pack_linear_weight(weight)` once, then `linear(x, packed, out_features, bias)`), else None. The
+    model's prepacked linear layers run through it (model.PackedLinear)."""
     module = load()
     return module if module.has_linear() else None
 

@@ -56,7 +56,8 @@ class WorkerConfig(ServiceTLSFields):
 
     # Model to serve: a folder, a .gguf file, or None for the default model (see pagedserve.model_files).
     model: str | None = None
-    # Weights' and KV cache's dtype; "auto": bfloat16 on CUDA and where the CPU runs it faster (loader.cpu_prefers_bf16).
+    # Weights' and KV cache's dtype; "auto": bfloat16 on CUDA and where the CPU runs it faster
+    # (loader.cpu_prefers_bf16), else float32.
     dtype: str = "auto"
     # torch device ("cpu", "cuda", "cuda:1"); "auto": cuda when available, else cpu.
     device: str = "auto"
