@@ -80,21 +80,25 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 // exp of n floats in place: 2^k * exp(r) with k = round(x / ln 2), |r| <= ln 2 / 2, and the Cephes
 // polynomial for exp(r) (within 2 ulp of std::exp). Written so the compiler vectorises the loop: a scalar
-// std::exp per score would cost more than the whole attention. Underflows to 0 below -87.3.
+// std::exp per score would cost more than the whole attention. Underflows to 0 below -87.3. The constants
+// serve the scalar loop (exp_inplace) and the AVX-512 and AVX2 forms alike: x clamped to [kExpMin, kExpMax],
+// r = x - k * kLn2Hi + k * kLn2Lo (ln 2 in two parts), exp(r) = 1 + r + r^2 * p(r), p's coefficients from
+// the highest power down.
+constexpr float kExpMin = -87.3f, kExpMax = 88.3f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = 2.12194440e-4f;
+constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                              4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 #if defined(__AVX512F__)
 inline __m512 exp512(__m512 in) {
-  const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.3f);
+  const __m512 lo = _mm512_set1_ps(kExpMin), hi = _mm512_set1_ps(kExpMax);
   const __m512 v = _mm512_min_ps(_mm512_max_ps(in, lo), hi);
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
-  r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Hi), v);
+  r = _mm512_fmadd_ps(k, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
   const __mmask16 underflow = _mm512_cmp_ps_mask(in, lo, _CMP_LT_OQ);
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, k));
@@ -105,23 +109,19 @@ inline __m512 exp512(__m512 in) {
 // exp512 on AVX2: the same reduction and polynomial; 2^k is built in the exponent bits (k is -126 .. 127
 // after the clamp).
 inline __m256 exp256(__m256 in) {
-  const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
+  const __m256 lo = _mm256_set1_ps(kExpMin), hi = _mm256_set1_ps(kExpMax);
   const __m256 v = _mm256_min_ps(_mm256_max_ps(in, lo), hi);
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v);
-  r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Hi), v);
+  r = _mm256_fmadd_ps(k, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
   p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
   const __m256i scale =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
   const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-  return _mm256_and_ps(e, _mm256_cmp_ps(in, lo, _CMP_NLT_UQ));  // 0 below -87.3
+  return _mm256_and_ps(e, _mm256_cmp_ps(in, lo, _CMP_NLT_UQ));  // 0 below kExpMin
 }
 
 // 8 floats to bf16 as c10's conversion rounds them: to nearest, ties to even, NaN to 0x7FC0.
@@ -150,21 +150,17 @@ inline void exp_inplace(float* x, int64_t n) {
 #endif
 #pragma omp simd
   for (int64_t i = start; i < n; ++i) {
-    const float v = std::min(std::max(x[i], -87.3f), 88.3f);
-    const float k = std::floor(v * 1.44269504088896341f + 0.5f);
-    float r = v - k * 0.693359375f;
-    r = r + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    const float v = std::min(std::max(x[i], kExpMin), kExpMax);
+    const float k = std::floor(v * kLog2e + 0.5f);
+    float r = v - k * kLn2Hi;
+    r = r + k * kLn2Lo;
+    float p = kExpPoly[0];
+    for (int j = 1; j < 6; ++j) p = p * r + kExpPoly[j];
     p = p * r * r + r + 1.f;
     const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
     float scale;
     std::memcpy(&scale, &bits, sizeof(scale));
-    x[i] = x[i] < -87.3f ? 0.f : p * scale;
+    x[i] = x[i] < kExpMin ? 0.f : p * scale;
   }
 }
 
