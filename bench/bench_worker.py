@@ -50,12 +50,16 @@ def best_seconds(fn, repeats: int) -> float:
     return best
 
 
+def torch_matmul_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which PyTorch multiplies fastest for work in dtype on this CPU: float32 for bf16 where the
+    CPU has no native bf16 (PyTorch emulates bf16 matmuls there, about 1 GFLOP/s on a Zen 3 core pair, and
+    the kernels' AVX2 linear widens bf16 to float32 and multiplies in float32), else dtype itself."""
+    return torch.float32 if dtype == torch.bfloat16 and not cpu_has_native_bf16() else dtype
+
+
 def measure_matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of PyTorch's n x n matmul in dtype. On a CPU without native bf16 the float32 rate stands for
-    bf16's: there PyTorch emulates bf16 matmuls (about 1 GFLOP/s on a Zen 3 core pair), and the kernels'
-    AVX2 linear widens bf16 to float32 and multiplies in float32."""
-    if dtype == torch.bfloat16 and not cpu_has_native_bf16():
-        dtype = torch.float32
+    """FLOP/s of PyTorch's n x n matmul for work in dtype (in torch_matmul_dtype(dtype))."""
+    dtype = torch_matmul_dtype(dtype)
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     return 2 * n**3 / best_seconds(lambda: torch.mm(a, b), repeats)

@@ -44,10 +44,10 @@ from tqdm import tqdm
 
 from pagedserve.bench.datasets import PromptMaker
 from pagedserve.model_files import load_tokenizer, model_name, resolve_model
-from pagedserve.worker_svc.loader import cpu_has_native_bf16, parse_dtype
+from pagedserve.worker_svc.loader import parse_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_worker import measure_matmul_flops
+from bench_worker import measure_matmul_flops, torch_matmul_dtype
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -321,11 +321,9 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = resolve_model(args.model)
     dtype = parse_dtype(args.dtype, "cpu")
-    hf_dtype = parse_dtype(args.hf_dtype or args.dtype, "cpu")
-    if args.hf_dtype is None and hf_dtype == torch.bfloat16 and not cpu_has_native_bf16():
-        # PyTorch emulates bf16 matmuls on this CPU (about 100x slower than float32): transformers runs
-        # in float32, its fastest dtype here, so that the ratio is against its best.
-        hf_dtype = torch.float32
+    # By default transformers runs in pagedserve's dtype, or in float32 where PyTorch emulates bf16 on this
+    # CPU (about 100x slower than float32): the ratio is against transformers at its best.
+    hf_dtype = parse_dtype(args.hf_dtype, "cpu") if args.hf_dtype else torch_matmul_dtype(dtype)
     tokenizer = load_tokenizer(model_dir)
     work = build_workload(tokenizer, args.num_requests, prompt_range, output_range, args.seed)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=hf_dtype).eval()
@@ -343,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     machine_flops = measure_matmul_flops(dtype)
     if hf_dtype != dtype:
         print(f"transformers runs in {hf_dtype}, pagedserve in {dtype}; 'of peak' is against {dtype}'s rate")
-    if dtype == torch.bfloat16 and not cpu_has_native_bf16():
+    if torch_matmul_dtype(dtype) != dtype:
         print("no native bf16 on this CPU: the matmul rate is float32's, the arithmetic of the AVX2 linear")
     n_prompt = sum(len(w.prompt_ids) for w in work)
     n_out = sum(w.output_len for w in work)

@@ -351,12 +351,11 @@ def test_auto_dtype_on_cpu_takes_bf16_where_it_is_faster(monkeypatch):
 
 
 def test_cpu_prefers_bf16_with_native_bf16_or_the_kernels_linear(monkeypatch):
-    from pagedserve import kernels
     from pagedserve.kernels import cpu_ops, reference
 
     def prefers(native: bool, ops) -> bool:
         monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native)
-        monkeypatch.setattr(kernels, "get_ops", lambda device: ops)
+        monkeypatch.setattr(loader, "get_ops", lambda device: ops)
         loader.cpu_prefers_bf16.cache_clear()
         return loader.cpu_prefers_bf16()
 
