@@ -28,7 +28,7 @@ from test_kernels_reference import (
 from test_model import FAMILIES, VOCAB, PagedCache, _hf_logits, _save_tiny_hf_model
 
 from pagedserve.kernels import CPU_KERNELS_ENV, cpu_ops, reference
-from pagedserve.worker_svc.loader import load_model
+from pagedserve.worker_svc.loader import cpu_has_native_bf16, load_model
 
 
 def _built() -> bool:
@@ -355,8 +355,9 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
     # pass over each block of the weight, more in several; past 120 rows (four passes) a group of rows
     # through all blocks, then the next (250 rows: nine chunks of 27-28, in groups of 111, 111 and 28).
     # On AVX2: one row as four runs side by side and two rows as two, then one block at a time (960
-    # columns: 30 blocks a thread, 7 in each of four runs and 2 left); up to 4 rows a pass, past 64 rows a
-    # group at a time.
+    # columns: 30 blocks a thread, 7 in each of four runs and 2 left); up to 4 rows a pass; from 32 rows
+    # each block widened to float32 once, then passes of 5-6 rows; past 48 rows a group at a time (64: 48
+    # rows over widened blocks, then 16 in passes of 4; 250: five groups of 48, then 10).
     gen = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
@@ -368,6 +369,30 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
     torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-4)
     theirs = torch.nn.functional.linear(x, weight, b)
     assert (out.double() - exact).abs().max() <= 1.001 * (theirs.double() - exact).abs().max() + 1e-6
+
+
+@needs_linear
+@pytest.mark.skipif(cpu_has_native_bf16(), reason="the AVX-512 BF16 linear sums a pair at a time")
+@pytest.mark.parametrize(("rows", "n", "k", "bias"), [(40, 200, 96, True), (100, 64, 1536, False)])
+def test_avx2_linear_gives_a_row_the_same_bits_in_any_pass_of_3_to_6_rows(rows, n, k, bias):
+    # Passes of 3 and 4 rows widening the weights as they go, and from 32 rows passes of 5 and 6 over a
+    # block widened once, run the same float32 FMAs in k order: in any of them a row's result is the same
+    # (past 48 rows, groups of 48 and what is left; 100: 48 + 48 + 4). (1 and 2 rows, also the remainder
+    # of 5 or 6 rows, run interleaved sets of sums: another order.) So that any other
+    # order shows, x holds +2^40 and -2^40 against equal weights at k/3 and 2k/3: in k order the sum
+    # up to 2k/3 vanishes (absorbed, then cancelled) and only the terms after it are left.
+    gen = torch.Generator().manual_seed(rows + n + k)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    weight[:, 2 * k // 3] = weight[:, k // 3]
+    x[:, k // 3], x[:, 2 * k // 3] = 2.0**40, -(2.0**40)
+    kernels = cpu_ops.linear_kernels()
+    packed = kernels.pack_linear_weight(weight)
+    whole = kernels.linear(x, packed, n, b)
+    for start, size in [(0, 3), (3, 4), (7, 4), (4, 32), (rows - 3, 3)]:
+        part = kernels.linear(x[start : start + size], packed, n, b)
+        assert torch.equal(part, whole[start : start + size]), (start, size)
 
 
 @needs_linear
