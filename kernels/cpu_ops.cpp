@@ -395,20 +395,33 @@ inline void accumulate_rows_avx512(float* acc, const float* w, const float* rows
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 // accumulate_rows on AVX2 for a head size that is a multiple of 8: up to 64 values of acc held in
-// registers over the block's rows (the plain loop loads and stores acc for every row).
+// registers over the block's rows (the plain loop loads and stores acc for every row), C ymm at a time. C
+// is a template argument: with a count known only at run time GCC kept the sums on the stack, a store
+// and a compare per register and row.
+template <int C>
+inline void accumulate_chunks_avx2(float* acc, const float* w, const float* rows, int64_t stride, int64_t n) {
+  __m256 a[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 wj = _mm256_set1_ps(w[j]);
+    const float* row = rows + j * stride;
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(row + 8 * c), a[c]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+}
+
 inline void accumulate_rows_avx2(float* acc, const float* w, const float* rows, int64_t stride, int64_t n,
                                  int64_t size) {
-  for (int64_t d0 = 0; d0 < size; d0 += 64) {
-    const int chunks = static_cast<int>(std::min<int64_t>(8, (size - d0) / 8));
-    __m256 a[8];
-    for (int c = 0; c < chunks; ++c) a[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 wj = _mm256_set1_ps(w[j]);
-      const float* row = rows + j * stride + d0;
-      for (int c = 0; c < chunks; ++c) a[c] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(row + 8 * c), a[c]);
-    }
-    for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(acc + d0 + 8 * c, a[c]);
-  }
+  using Chunks = void (*)(float*, const float*, const float*, int64_t, int64_t);
+  static constexpr std::array<Chunks, 8> kChunks = {&accumulate_chunks_avx2<1>, &accumulate_chunks_avx2<2>,
+                                                    &accumulate_chunks_avx2<3>, &accumulate_chunks_avx2<4>,
+                                                    &accumulate_chunks_avx2<5>, &accumulate_chunks_avx2<6>,
+                                                    &accumulate_chunks_avx2<7>, &accumulate_chunks_avx2<8>};
+  for (int64_t d0 = 0; d0 < size; d0 += 64)
+    kChunks[std::min<int64_t>(8, (size - d0) / 8) - 1](acc + d0, w, rows + d0, stride, n);
 }
 #endif
 
