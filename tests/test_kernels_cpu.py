@@ -377,10 +377,10 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
 def test_avx2_linear_gives_a_row_the_same_bits_in_any_pass_of_3_to_6_rows(rows, n, k, bias):
     # Passes of 3 and 4 rows widening the weights as they go, and from 32 rows passes of 5 and 6 over a
     # block widened once, run the same float32 FMAs in k order: in any of them a row's result is the same
-    # (past 48 rows, groups of 48 and what is left; 100: 48 + 48 + 4). (1 and 2 rows, also the remainder
-    # of 5 or 6 rows, run interleaved sets of sums: another order.) So that any other
-    # order shows, x holds +2^40 and -2^40 against equal weights at k/3 and 2k/3: in k order the sum
-    # up to 2k/3 vanishes (absorbed, then cancelled) and only the terms after it are left.
+    # (past 48 rows, groups of 48 and what is left; 100: 48 + 48 + 4). A pass of 1 or 2 rows (alone, or
+    # the last of 5, 6, 9, 10 ... rows below 32) runs interleaved sets of sums, another order. So that
+    # any other order shows, x holds +2^40 and -2^40 against equal weights at k/3 and 2k/3: in k order
+    # the sum up to 2k/3 vanishes (absorbed, then cancelled) and only the terms after it are left.
     gen = torch.Generator().manual_seed(rows + n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
