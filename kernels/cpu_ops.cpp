@@ -1973,6 +1973,14 @@ inline void fma_line(__m256 (&acc)[2], const WideLine& l, const float* xr) {
   acc[1] = _mm256_fmadd_ps(l.odd[1], x1, acc[1]);
 }
 
+// A row's 16 sums (columns 0-7 in lo, 8-15 in hi), rounded to bf16; the first cols of them to y.
+inline void store_sums(__m256 lo, __m256 hi, at::BFloat16* y, int64_t cols) {
+  alignas(32) at::BFloat16 row[kBlock];
+  _mm_store_si128(reinterpret_cast<__m128i*>(row), to_bf16_avx2(lo));
+  _mm_store_si128(reinterpret_cast<__m128i*>(row + 8), to_bf16_avx2(hi));
+  std::memcpy(y, row, cols * sizeof(at::BFloat16));
+}
+
 // U independent sets of sums over interleaved K pairs keep 8 FMA chains in flight at 1 and 2 rows.
 template <int ROWS, int U>
 void block_kernel_avx2(const at::BFloat16* w, const float* x, int64_t ldx, int64_t pairs, const float* bias,
@@ -1994,13 +2002,12 @@ void block_kernel_avx2(const at::BFloat16* w, const float* x, int64_t ldx, int64
   for (; p < pairs; ++p) step(0, p);
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
-    alignas(32) at::BFloat16 row[kBlock];
+    __m256 sum[2];
     for (int h = 0; h < 2; ++h) {
-      __m256 sum = _mm256_add_ps(acc[0][r][h], _mm256_loadu_ps(bias + 8 * h));
-      for (int u = 1; u < U; ++u) sum = _mm256_add_ps(sum, acc[u][r][h]);
-      _mm_store_si128(reinterpret_cast<__m128i*>(row + 8 * h), to_bf16_avx2(sum));
+      sum[h] = _mm256_add_ps(acc[0][r][h], _mm256_loadu_ps(bias + 8 * h));
+      for (int u = 1; u < U; ++u) sum[h] = _mm256_add_ps(sum[h], acc[u][r][h]);
     }
-    std::memcpy(y + r * ldy, row, cols * sizeof(at::BFloat16));
+    store_sums(sum[0], sum[1], y + r * ldy, cols);
   }
 }
 
@@ -2041,11 +2048,8 @@ void wide_kernel_avx2(const float* wide, const float* x, int64_t ldx, int64_t k,
   }
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
-    alignas(32) at::BFloat16 row[kBlock];
-    for (int h = 0; h < 2; ++h)
-      _mm_store_si128(reinterpret_cast<__m128i*>(row + 8 * h),
-                      to_bf16_avx2(_mm256_add_ps(acc[r][h], _mm256_loadu_ps(bias + 8 * h))));
-    std::memcpy(y + r * ldy, row, cols * sizeof(at::BFloat16));
+    store_sums(_mm256_add_ps(acc[r][0], _mm256_loadu_ps(bias)),
+               _mm256_add_ps(acc[r][1], _mm256_loadu_ps(bias + 8)), y + r * ldy, cols);
   }
 }
 
@@ -2076,12 +2080,10 @@ void rows_streams_avx2(const at::BFloat16* w, int64_t step, const float* x, int6
     }
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < ROWS; ++r) {
-      alignas(32) at::BFloat16 row[kBlock];
-      for (int h = 0; h < 2; ++h) {
-        const __m256 sum = _mm256_add_ps(acc[s][r][h], _mm256_loadu_ps(bias + s * kBlock + 8 * h));
-        _mm_store_si128(reinterpret_cast<__m128i*>(row + 8 * h), to_bf16_avx2(sum));
-      }
-      std::memcpy(y + s * step * kBlock + r * ldy, row, cols[s] * sizeof(at::BFloat16));
+      const float* b = bias + s * kBlock;
+      store_sums(_mm256_add_ps(acc[s][r][0], _mm256_loadu_ps(b)),
+                 _mm256_add_ps(acc[s][r][1], _mm256_loadu_ps(b + 8)), y + s * step * kBlock + r * ldy,
+                 cols[s]);
     }
 }
 
