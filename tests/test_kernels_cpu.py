@@ -340,6 +340,7 @@ def _exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         (26, 576, 576),
         (30, 31, 40),
         (40, 33, 97),
+        (60, 40, 1000),
         (64, 200, 96),
         (128, 576, 64),
         (250, 100, 96),
@@ -356,8 +357,9 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
     # through all blocks, then the next (250 rows: nine chunks of 27-28, in groups of 111, 111 and 28).
     # On AVX2: one row as four runs side by side and two rows as two, then one block at a time (960
     # columns: 30 blocks a thread, 7 in each of four runs and 2 left); up to 4 rows a pass; from 32 rows
-    # each block widened to float32 once, then passes of 5-6 rows; past 48 rows a group at a time (64: 48
-    # rows over widened blocks, then 16 in passes of 4; 250: five groups of 48, then 10).
+    # each block widened to float32 once, then passes of 5-6 rows; a group of rows at a time, 96 up to
+    # K = 768 and 48 past it (64 rows of K = 96: one group; 128 of K = 64: 96 over widened blocks, then 32;
+    # 250: 96, 96 and 58; 60 of K = 1000: 48, then 12 in passes of 4).
     gen = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
@@ -373,14 +375,17 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
 
 @needs_linear
 @pytest.mark.skipif(cpu_has_native_bf16(), reason="the AVX-512 BF16 linear sums a pair at a time")
-@pytest.mark.parametrize(("rows", "n", "k", "bias"), [(40, 200, 96, True), (100, 64, 1536, False)])
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "bias"), [(40, 200, 96, True), (100, 64, 1536, False), (100, 48, 96, True)]
+)
 def test_avx2_linear_gives_a_row_the_same_bits_in_any_pass_of_3_to_6_rows(rows, n, k, bias):
     # Passes of 3 and 4 rows widening the weights as they go, and from 32 rows passes of 5 and 6 over a
     # block widened once, run the same float32 FMAs in k order: in any of them a row's result is the same
-    # (past 48 rows, groups of 48 and what is left; 100: 48 + 48 + 4). A pass of 1 or 2 rows (alone, or
-    # the last of 5, 6, 9, 10 ... rows below 32) runs interleaved sets of sums, another order. So that
-    # any other order shows, x holds +2^40 and -2^40 against equal weights at k/3 and 2k/3: in k order
-    # the sum up to 2k/3 vanishes (absorbed, then cancelled) and only the terms after it are left.
+    # (groups of 96 rows up to K = 768, of 48 past it, and what is left: 100 rows are 96 + 4 and 48 + 48 +
+    # 4). A pass of 1 or 2 rows (alone, or the last of 5, 6, 9, 10 ... rows below 32) runs interleaved sets
+    # of sums, another order. So that any other order shows, x holds +2^40 and -2^40 against equal weights
+    # at k/3 and 2k/3: in k order the sum up to 2k/3 vanishes (absorbed, then cancelled) and only the terms
+    # after it are left.
     gen = torch.Generator().manual_seed(rows + n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
