@@ -473,7 +473,8 @@ inline void group_scores_avx2(const float* q, int64_t size, const at::BFloat16* 
       _mm_storeu_ps(out + g * out_stride + j, sum_lanes4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
   }
   if (j == n) return;
-  std::vector<float> row(size);  // the last rows of a block, through dot as block_scores_avx2's
+  thread_local std::vector<float> row;  // the last rows of a block, through dot as block_scores_avx2's
+  row.resize(size);
   for (; j < n; ++j) {
     load_row(rows + j * stride, row.data(), size);
     for (int g = 0; g < G; ++g) out[g * out_stride + j] = dot(q + g * size, row.data(), size);
