@@ -305,24 +305,48 @@ inline __m128 sum_lanes4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
 }
 
-// block_scores on AVX2 for a head size that is a multiple of 8: four rows at a time, each row's products
-// summed in 8 lanes and the four reduced together (the plain loop reduces every dot product on its own).
-inline void block_scores_avx2(const float* q, const float* rows, int64_t stride, int64_t n, int64_t size,
-                              float* out) {
+// block_scores on AVX2 for a head size that is a multiple of 8, for the G query vectors of a kv head at
+// once (q_g size floats apart; out[g * out_stride + j] = q_g . row j): four rows at a time, each row's
+// products summed in 8 lanes and the four reduced together (the plain loop reduces every dot product on
+// its own). Rows of R = float come from the tile, rows of R = bf16 straight from the cache, widened as
+// they are loaded: each row is loaded once for all G vectors. 4G sums + G query chunks + a row: 16
+// registers at G = 3.
+template <int G, typename R>
+inline void group_scores_avx2(const float* q, int64_t size, const R* rows, int64_t stride, int64_t n,
+                              float* out, int64_t out_stride) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
-    const float* r = rows + j * stride;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const R* r = rows + j * stride;
+    __m256 acc[G][4];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = _mm256_setzero_ps();
     for (int64_t d = 0; d < size; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + d);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + d), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + stride + d), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 2 * stride + d), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 3 * stride + d), a3);
+      __m256 qv[G];
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) qv[g] = _mm256_loadu_ps(q + g * size + d);
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m256 k = load8(r + p * stride + d);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) acc[g][p] = _mm256_fmadd_ps(qv[g], k, acc[g][p]);
+      }
     }
-    _mm_storeu_ps(out + j, sum_lanes4(a0, a1, a2, a3));
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g)
+      _mm_storeu_ps(out + g * out_stride + j, sum_lanes4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
   }
-  for (; j < n; ++j) out[j] = dot(q, rows + j * stride, size);
+  for (; j < n; ++j) {  // the last rows of a block, through dot (bf16 rows widened into a thread's buffer)
+    const float* row = nullptr;
+    if constexpr (std::is_same_v<R, float>) {
+      row = rows + j * stride;
+    } else {
+      thread_local std::vector<float> wide;
+      wide.resize(size);
+      load_row(rows + j * stride, wide.data(), size);
+      row = wide.data();
+    }
+    for (int g = 0; g < G; ++g) out[g * out_stride + j] = dot(q + g * size, row, size);
+  }
 }
 #endif
 
@@ -333,7 +357,7 @@ inline void block_scores(const float* q, const float* rows, int64_t stride, int6
           size, [&](auto chunks) { block_scores_avx512<decltype(chunks)::value>(q, rows, stride, n, out); }))
     return;
 #elif defined(__AVX2__) && defined(__FMA__)
-  if (size % 8 == 0) return block_scores_avx2(q, rows, stride, n, size, out);
+  if (size % 8 == 0) return group_scores_avx2<1>(q, size, rows, stride, n, out, 0);
 #endif
   for (int64_t j = 0; j < n; ++j) out[j] = dot(q, rows + j * stride, size);
 }
@@ -402,101 +426,25 @@ inline void accumulate_rows_avx512(float* acc, const float* w, const float* rows
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// accumulate_rows on AVX2 for a head size that is a multiple of 8: up to 64 values of acc held in
-// registers over the block's rows (the plain loop loads and stores acc for every row), C ymm at a time. C
-// is a template argument: with a count known only at run time GCC kept the sums on the stack, a store
-// and a compare per register and row.
-template <int C>
-inline void accumulate_chunks_avx2(float* acc, const float* w, const float* rows, int64_t stride, int64_t n) {
-  __m256 a[C];
-#pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
-  for (int64_t j = 0; j < n; ++j) {
-    const __m256 wj = _mm256_set1_ps(w[j]);
-    const float* row = rows + j * stride;
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(row + 8 * c), a[c]);
-  }
-#pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
-}
-
-inline void accumulate_rows_avx2(float* acc, const float* w, const float* rows, int64_t stride, int64_t n,
-                                 int64_t size) {
-  using Chunks = void (*)(float*, const float*, const float*, int64_t, int64_t);
-  static constexpr std::array<Chunks, 8> kChunks = {&accumulate_chunks_avx2<1>, &accumulate_chunks_avx2<2>,
-                                                    &accumulate_chunks_avx2<3>, &accumulate_chunks_avx2<4>,
-                                                    &accumulate_chunks_avx2<5>, &accumulate_chunks_avx2<6>,
-                                                    &accumulate_chunks_avx2<7>, &accumulate_chunks_avx2<8>};
-  for (int64_t d0 = 0; d0 < size; d0 += 64)
-    kChunks[std::min<int64_t>(8, (size - d0) / 8) - 1](acc + d0, w, rows + d0, stride, n);
-}
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// A kv head's K and V rows read in place from a bf16 cache and widened as they are read, for the G query
-// vectors of its group at once (G <= 3): each row is loaded once for all of them, where block_scores and
-// accumulate_rows take rows widened into a float tile first, one vector at a time. The sums are theirs,
-// in the same order, so the bits are the same. Widening a block into the tile was a loop of loads and
-// stores that waited on memory with little else to do (a third of the attention's samples in `perf`).
-// One layer of SmolLM2's attention (9 query heads, 3 kv heads of 64, blocks scattered over 4000), in
-// place against the tile, alternating, two runs: 24 decode rows over 400 positions 0.32 and 0.39 against
-// 0.46 and 0.72 ms; one over 2048 0.07 and 0.08 against 0.10 and 0.12 ms; 4 prompts of 500 tokens 13.3
-// and 16.1 against 14.6 and 20.2 ms (each row of a prompt chunk widens the block again, and still gains).
-constexpr int kGroupVectorsAvx2 = 3;
-
-// out[g * out_stride + j] = q_g . row j for the G vectors (size floats apart) and the n rows (stride
-// apart): block_scores_avx2's sums, four rows at a time. 4G sums + G query chunks + a row: 16 registers at
-// G = 3.
-template <int G>
-inline void group_scores_avx2(const float* q, int64_t size, const at::BFloat16* rows, int64_t stride,
-                              int64_t n, float* out, int64_t out_stride) {
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const at::BFloat16* r = rows + j * stride;
-    __m256 acc[G][4];
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < size; d += 8) {
-      __m256 qv[G];
-#pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) qv[g] = _mm256_loadu_ps(q + g * size + d);
-#pragma GCC unroll 4
-      for (int p = 0; p < 4; ++p) {
-        const __m256 k = load8(r + p * stride + d);
-#pragma GCC unroll 4
-        for (int g = 0; g < G; ++g) acc[g][p] = _mm256_fmadd_ps(qv[g], k, acc[g][p]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g)
-      _mm_storeu_ps(out + g * out_stride + j, sum_lanes4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
-  }
-  if (j == n) return;
-  thread_local std::vector<float> row;  // the last rows of a block, through dot as block_scores_avx2's
-  row.resize(size);
-  for (; j < n; ++j) {
-    load_row(rows + j * stride, row.data(), size);
-    for (int g = 0; g < G; ++g) out[g * out_stride + j] = dot(q + g * size, row.data(), size);
-  }
-}
-
-// acc_g[0 .. 8C) += sum over j < n of w[g * w_stride + j] * row j[0 .. 8C) for the G vectors (acc_g size
-// floats apart): accumulate_chunks_avx2's sums, row by row. GC sums + G weights + a row: 16 registers at
-// G = 3, C = 4.
-template <int G, int C>
-inline void group_values_avx2(float* acc, int64_t size, const float* w, int64_t w_stride,
-                              const at::BFloat16* rows, int64_t stride, int64_t n) {
+// accumulate_rows on AVX2 for a head size that is a multiple of 8, for the G query vectors of a kv head at
+// once: acc_g[0 .. 8C) += sum over j < n of w[g * w_stride + j] * row j[0 .. 8C) (acc_g size floats apart),
+// the sums held in registers over the block's rows (the plain loop loads and stores acc for every row).
+// Rows of R = float come from the tile, rows of R = bf16 straight from the cache, each loaded once for all
+// G vectors. GC sums + G weights + a row: 16 registers at G = 3, C = 4. C is a template argument: with a
+// count known only at run time GCC kept the sums on the stack, a store and a compare per register and row.
+template <int G, int C, typename R>
+inline void group_values_avx2(float* acc, int64_t size, const float* w, int64_t w_stride, const R* rows,
+                              int64_t stride, int64_t n) {
   __m256 a[G][C];
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) a[g][c] = _mm256_loadu_ps(acc + g * size + 8 * c);
   for (int64_t j = 0; j < n; ++j) {
     __m256 wj[G];
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) wj[g] = _mm256_set1_ps(w[g * w_stride + j]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       const __m256 v = load8(rows + j * stride + 8 * c);
 #pragma GCC unroll 4
@@ -505,16 +453,41 @@ inline void group_values_avx2(float* acc, int64_t size, const float* w, int64_t 
   }
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + g * size + 8 * c, a[g][c]);
 }
+
+inline void accumulate_rows_avx2(float* acc, const float* w, const float* rows, int64_t stride, int64_t n,
+                                 int64_t size) {
+  using Chunks = void (*)(float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t);
+  static constexpr std::array<Chunks, 8> kChunks = {
+      &group_values_avx2<1, 1, float>, &group_values_avx2<1, 2, float>, &group_values_avx2<1, 3, float>,
+      &group_values_avx2<1, 4, float>, &group_values_avx2<1, 5, float>, &group_values_avx2<1, 6, float>,
+      &group_values_avx2<1, 7, float>, &group_values_avx2<1, 8, float>};
+  for (int64_t d0 = 0; d0 < size; d0 += 64)
+    kChunks[std::min<int64_t>(8, (size - d0) / 8) - 1](acc + d0, 0, w, 0, rows + d0, stride, n);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// On AVX2 a kv head's K and V rows are read in place from a bf16 cache and widened as they are loaded, for
+// its group of query vectors 3 at a time (group_scores_avx2 and group_values_avx2 with bf16 rows), where
+// the tile path widens each block into float32 first and takes one vector at a time: the same sums in the
+// same order, so the bits are the same. Widening a block into the tile was a loop of loads and stores
+// that waited on memory with little else to do (a third of the attention's samples in `perf`). One layer
+// of SmolLM2's attention (9 query heads, 3 kv heads of 64, blocks scattered over 4000), in place against
+// the tile, alternating, two runs: 24 decode rows over 400 positions 0.32 and 0.39 against 0.46 and 0.72
+// ms; one over 2048 0.07 and 0.08 against 0.10 and 0.12 ms; 4 prompts of 500 tokens 13.3 and 16.1 against
+// 14.6 and 20.2 ms (each row of a prompt chunk widens the block again, and still gains).
+constexpr int kGroupVectorsAvx2 = 3;
 
 // The scores and the weighted V rows of `vectors` query vectors of one kv head, G at a time.
 inline void group_scores(const float* q, int64_t vectors, int64_t size, const at::BFloat16* rows,
                          int64_t stride, int64_t n, float* out, int64_t out_stride) {
   using Fn = void (*)(const float*, int64_t, const at::BFloat16*, int64_t, int64_t, float*, int64_t);
-  static constexpr std::array<Fn, kGroupVectorsAvx2> kFns = {&group_scores_avx2<1>, &group_scores_avx2<2>,
-                                                             &group_scores_avx2<3>};
+  static constexpr std::array<Fn, kGroupVectorsAvx2> kFns = {&group_scores_avx2<1, at::BFloat16>,
+                                                             &group_scores_avx2<2, at::BFloat16>,
+                                                             &group_scores_avx2<3, at::BFloat16>};
   for (int64_t g = 0; g < vectors; g += kGroupVectorsAvx2) {
     const int64_t count = std::min<int64_t>(kGroupVectorsAvx2, vectors - g);
     kFns[count - 1](q + g * size, size, rows, stride, n, out + g * out_stride, out_stride);
@@ -525,12 +498,12 @@ inline void group_values(float* acc, int64_t vectors, int64_t size, const float*
                          const at::BFloat16* rows, int64_t stride, int64_t n) {
   using Fn = void (*)(float*, int64_t, const float*, int64_t, const at::BFloat16*, int64_t, int64_t);
   static constexpr std::array<std::array<Fn, 4>, kGroupVectorsAvx2> kFns = {{
-      {&group_values_avx2<1, 1>, &group_values_avx2<1, 2>, &group_values_avx2<1, 3>,
-       &group_values_avx2<1, 4>},
-      {&group_values_avx2<2, 1>, &group_values_avx2<2, 2>, &group_values_avx2<2, 3>,
-       &group_values_avx2<2, 4>},
-      {&group_values_avx2<3, 1>, &group_values_avx2<3, 2>, &group_values_avx2<3, 3>,
-       &group_values_avx2<3, 4>},
+      {&group_values_avx2<1, 1, at::BFloat16>, &group_values_avx2<1, 2, at::BFloat16>,
+       &group_values_avx2<1, 3, at::BFloat16>, &group_values_avx2<1, 4, at::BFloat16>},
+      {&group_values_avx2<2, 1, at::BFloat16>, &group_values_avx2<2, 2, at::BFloat16>,
+       &group_values_avx2<2, 3, at::BFloat16>, &group_values_avx2<2, 4, at::BFloat16>},
+      {&group_values_avx2<3, 1, at::BFloat16>, &group_values_avx2<3, 2, at::BFloat16>,
+       &group_values_avx2<3, 3, at::BFloat16>, &group_values_avx2<3, 4, at::BFloat16>},
   }};
   for (int64_t g = 0; g < vectors; g += kGroupVectorsAvx2) {
     const int64_t count = std::min<int64_t>(kGroupVectorsAvx2, vectors - g);
