@@ -2223,24 +2223,88 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
                  int64_t n, const at::BFloat16* bias, at::BFloat16* y, int64_t ldy) {
   const int64_t blocks = (n + kBlock - 1) / kBlock, k = 2 * pairs;
   const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), blocks));
-  // Each thread takes a contiguous run of blocks (one sequential stream of W), as linear_avx512.
+  const int64_t group_rows = k <= kAvx2WideGroupMaxK ? 2 * kAvx2GroupRows : kAvx2GroupRows;
+  const int64_t groups = (m + group_rows - 1) / group_rows;
+  // Groups of at least kAvx2WideMinRows rows, which go through the float32 copy: all but a short last one.
+  const int64_t wide_groups = m - (groups - 1) * group_rows >= kAvx2WideMinRows ? groups : groups - 1;
+  std::atomic<int64_t> next_unit{0};
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
     thread_local std::vector<float> xf, wide;
-    const int64_t group_rows = k <= kAvx2WideGroupMaxK ? 2 * kAvx2GroupRows : kAvx2GroupRows;
     xf.resize(std::max<size_t>(xf.size(), std::min(m, group_rows) * k));
-    for (int64_t g0 = 0; g0 < m; g0 += group_rows) {
-      const int64_t rows = std::min(group_rows, m - g0);
+    int64_t widened = -1;  // the group of rows whose x is in xf
+    // x of group g into xf; the group's first row and rows into g0 and rows.
+    const auto load_group = [&](int64_t g, int64_t& g0, int64_t& rows) {
+      g0 = g * group_rows;
+      rows = std::min(group_rows, m - g0);
+      if (widened == g) return;
       for (int64_t r = 0; r < rows; ++r) load_row(x + (g0 + r) * ldx, xf.data() + r * k, k);
-      // Block j's columns, and its bias in float32 (zero without one), into cols and bias_f32.
-      const auto block_of = [&](int64_t j, int64_t& cols, float* bias_f32) {
-        cols = std::min<int64_t>(kBlock, n - j * kBlock);
-        std::fill(bias_f32, bias_f32 + kBlock, 0.f);
-        for (int64_t c = 0; bias != nullptr && c < cols; ++c)
-          bias_f32[c] = static_cast<float>(bias[j * kBlock + c]);
-      };
+      widened = g;
+    };
+    // Block j's columns, and its bias in float32 (zero without one), into cols and bias_f32.
+    const auto block_of = [&](int64_t j, int64_t& cols, float* bias_f32) {
+      cols = std::min<int64_t>(kBlock, n - j * kBlock);
+      std::fill(bias_f32, bias_f32 + kBlock, 0.f);
+      for (int64_t c = 0; bias != nullptr && c < cols; ++c)
+        bias_f32[c] = static_cast<float>(bias[j * kBlock + c]);
+    };
+    // Block j for the rows g0 .. g0 + rows - 1 (of xf) in passes of up to 4 rows, which widen it as they go.
+    const auto block_passes = [&](int64_t j, int64_t g0, int64_t rows) {
+      int64_t cols;
+      float bias_f32[kBlock];
+      block_of(j, cols, bias_f32);
+      const int64_t passes = (rows + kAvx2MaxRows - 1) / kAvx2MaxRows, block_bytes = pairs * 2 * kBlock * 2;
+      const char* const block = reinterpret_cast<const char*>(w + j * pairs * 2 * kBlock);
+      for (int64_t i = 0; i < passes; ++i) {
+        const int64_t r0 = i * kAvx2MaxRows, chunk = std::min<int64_t>(kAvx2MaxRows, rows - r0);
+        // One pass streams its block kPrefetchBytes ahead. Several (5-31 rows: a decode batch) fetch the
+        // next block instead, each pass a 1/passes share of it, so that memory works while they compute;
+        // before, the first pass over a block waited on memory and the others on the FMAs. Single calls
+        // at 8 rows, GFLOP/s, before -> after (2-core Zen 3, weights from memory, two runs): qkv 135 ->
+        // 148 and 127 -> 137, gate_up 137 -> 158 and 112 -> 116, the LM head 126 -> 165 and 138 -> 161.
+        // A decode step's 30 layers and head, alternating: 8 rows 21.5 -> 18.7 ms, 16 rows 39.3 -> 34.9.
+        const char* fetch =
+            passes == 1 ? block + kPrefetchBytes : block + block_bytes + i * block_bytes / passes;
+        const int64_t step = passes == 1 ? 64 : (64 + passes - 1) / passes;
+        kKernelsAvx2[chunk - 1](w + j * pairs * 2 * kBlock, xf.data() + r0 * k, k, pairs, bias_f32,
+                                y + (g0 + r0) * ldy + j * kBlock, ldy, cols, fetch, step);
+      }
+    };
+    // Groups through the float32 copy: a unit is one block for one group of rows, handed to whichever thread
+    // asks next, groups in order (the threads work through a group together, each widening its x once).
+    // Given equal runs of blocks, the two threads of a 2-core Zen 3 did not finish together: one waited 5-20
+    // % of a 2048-row call. A prompt step of 2048 tokens (30 layers), alternating: 3.93 -> 3.57 s and 3.84 ->
+    // 3.56 s; the 24-request workload's prompt steps, forward seconds, three alternating pairs of runs:
+    // 11.62 / 13.26 -> 11.31 / 11.19, 12.01 / 11.98 -> 10.48 / 10.89, 12.65 / 12.83 -> 11.73 / 10.65.
+    for (int64_t u = next_unit.fetch_add(1, std::memory_order_relaxed); u < wide_groups * blocks;
+         u = next_unit.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t j = u % blocks;
+      int64_t g0, rows;
+      load_group(u / blocks, g0, rows);
+      // Balanced passes over the widened block: past 24 rows, of 5 and 6 rows.
+      static_assert(kAvx2WideMinRows > 4 * kAvx2WideMaxRows);
+      const int64_t passes = (rows + kAvx2WideMaxRows - 1) / kAvx2WideMaxRows;
+      wide.resize(std::max<size_t>(wide.size(), pairs * 2 * kBlock + 8));
+      float* const wide_block =  // 32-byte aligned, for whole-ymm loads
+          reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wide.data()) + 31) & ~uintptr_t{31});
+      int64_t cols;
+      float bias_f32[kBlock];
+      block_of(j, cols, bias_f32);
+      widen_block(w + j * pairs * 2 * kBlock, pairs, wide_block);
+      for (int64_t i = 0; i < passes; ++i) {
+        const int64_t r0 = rows * i / passes, chunk = rows * (i + 1) / passes - r0;
+        (chunk == 6 ? &wide_kernel_avx2<6> : &wide_kernel_avx2<5>)(wide_block, xf.data() + r0 * k, k, k,
+                                                                   bias_f32, y + (g0 + r0) * ldy + j * kBlock,
+                                                                   ldy, cols);
+      }
+    }
+    if (wide_groups < groups) {
+      // Fewer rows than the float32 copy pays for (a decode batch, or a prompt's last rows): each thread
+      // takes a contiguous run of blocks (one sequential stream of W), as linear_avx512.
+      const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+      int64_t g0, rows;
+      load_group(wide_groups, g0, rows);
       int64_t j = b0;
       // One row: the thread's blocks as four runs, block i of each together; two rows: as two runs. The
       // rest one block at a time.
@@ -2258,47 +2322,7 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
       };
       if (rows == 1) runs(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
       if (rows == 2) runs(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
-      if (rows >= kAvx2WideMinRows) {
-        // Balanced passes over the widened block: past 24 rows, of 5 and 6 rows.
-        static_assert(kAvx2WideMinRows > 4 * kAvx2WideMaxRows);
-        const int64_t passes = (rows + kAvx2WideMaxRows - 1) / kAvx2WideMaxRows;
-        wide.resize(std::max<size_t>(wide.size(), pairs * 2 * kBlock + 8));
-        float* const wide_block =  // 32-byte aligned, for whole-ymm loads
-            reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wide.data()) + 31) & ~uintptr_t{31});
-        for (; j < b1; ++j) {
-          int64_t cols;
-          float bias_f32[kBlock];
-          block_of(j, cols, bias_f32);
-          widen_block(w + j * pairs * 2 * kBlock, pairs, wide_block);
-          for (int64_t i = 0; i < passes; ++i) {
-            const int64_t r0 = rows * i / passes, chunk = rows * (i + 1) / passes - r0;
-            (chunk == 6 ? &wide_kernel_avx2<6>
-                        : &wide_kernel_avx2<5>)(wide_block, xf.data() + r0 * k, k, k, bias_f32,
-                                                y + (g0 + r0) * ldy + j * kBlock, ldy, cols);
-          }
-        }
-      }
-      const int64_t passes = (rows + kAvx2MaxRows - 1) / kAvx2MaxRows, block_bytes = pairs * 2 * kBlock * 2;
-      for (; j < b1; ++j) {
-        int64_t cols;
-        float bias_f32[kBlock];
-        block_of(j, cols, bias_f32);
-        const char* const block = reinterpret_cast<const char*>(w + j * pairs * 2 * kBlock);
-        for (int64_t i = 0; i < passes; ++i) {
-          const int64_t r0 = i * kAvx2MaxRows, chunk = std::min<int64_t>(kAvx2MaxRows, rows - r0);
-          // One pass streams its block kPrefetchBytes ahead. Several (5-31 rows: a decode batch) fetch the
-          // next block instead, each pass a 1/passes share of it, so that memory works while they compute;
-          // before, the first pass over a block waited on memory and the others on the FMAs. Single calls
-          // at 8 rows, GFLOP/s, before -> after (2-core Zen 3, weights from memory, two runs): qkv 135 ->
-          // 148 and 127 -> 137, gate_up 137 -> 158 and 112 -> 116, the LM head 126 -> 165 and 138 -> 161.
-          // A decode step's 30 layers and head, alternating: 8 rows 21.5 -> 18.7 ms, 16 rows 39.3 -> 34.9.
-          const char* fetch =
-              passes == 1 ? block + kPrefetchBytes : block + block_bytes + i * block_bytes / passes;
-          const int64_t step = passes == 1 ? 64 : (64 + passes - 1) / passes;
-          kKernelsAvx2[chunk - 1](w + j * pairs * 2 * kBlock, xf.data() + r0 * k, k, pairs, bias_f32,
-                                  y + (g0 + r0) * ldy + j * kBlock, ldy, cols, fetch, step);
-        }
-      }
+      for (; j < b1; ++j) block_passes(j, g0, rows);
     }
   }
 }

@@ -342,6 +342,8 @@ def _exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         (40, 33, 97),
         (60, 40, 1000),
         (64, 200, 96),
+        (97, 960, 96),
+        (98, 200, 96),
         (128, 576, 64),
         (250, 100, 96),
     ],
@@ -358,8 +360,9 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
     # On AVX2: one row as four runs side by side and two rows as two, then one block at a time (960
     # columns: 30 blocks a thread, 7 in each of four runs and 2 left); up to 4 rows a pass; from 32 rows
     # each block widened to float32 once, then passes of 5-6 rows; a group of rows at a time, 96 up to
-    # K = 768 and 48 past it (64 rows of K = 96: one group; 128 of K = 64: 96 over widened blocks, then 32;
-    # 250: 96, 96 and 58; 60 of K = 1000: 48, then 12 in passes of 4).
+    # K = 768 and 48 past it, their blocks handed to the threads one at a time (64 rows of K = 96: one
+    # group; 128 of K = 64: 96 over widened blocks, then 32; 250: 96, 96 and 58; 60 of K = 1000: 48, then 12
+    # in passes of 4; 97 and 98 of K = 96: 96, then the last row as four runs, the last two as two).
     gen = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
