@@ -2228,9 +2228,33 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
   // Groups of at least kAvx2WideMinRows rows, which go through the float32 copy: all but a short last one.
   const int64_t wide_groups = m - (groups - 1) * group_rows >= kAvx2WideMinRows ? groups : groups - 1;
   std::atomic<int64_t> next_unit{0};
+  // Below the float32 copy thread t first takes its run of blocks t * blocks / threads .. (t + 1) * blocks /
+  // threads, in units of one block, or with one or two rows of `streams` blocks (see rows_streams_avx2);
+  // runs_left[t] holds the units not yet taken, [first, end) packed as first << 32 | end. Its thread takes
+  // them from the front, and the others from the back once their own runs are done, so that a thread slowed
+  // down (the cores being shared) is helped rather than waited for.
+  const int64_t tail_rows = m - wide_groups * group_rows;
+  const int64_t streams = tail_rows == 1 ? 4 : (tail_rows == 2 ? 2 : 1);
+  const auto units = [&](int r) { return (blocks * (r + 1) / threads - blocks * r / threads) / streams; };
+  struct alignas(64) Run {  // a cache line each: its thread takes it for itself with every unit
+    std::atomic<uint64_t> left;
+  };
+  std::unique_ptr<Run[]> runs_left(new Run[threads]);
+  for (int r = 0; r < threads; ++r) runs_left[r].left = static_cast<uint64_t>(units(r));
+  // A unit of run r from the front or the back, or -1 when none is left.
+  const auto claim = [&](int r, bool front) -> int64_t {
+    uint64_t v = runs_left[r].left.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t first = v >> 32, end = v & 0xFFFFFFFFu;
+      if (first >= end) return -1;
+      const uint64_t next = front ? (first + 1) << 32 | end : first << 32 | (end - 1);
+      if (runs_left[r].left.compare_exchange_weak(v, next, std::memory_order_relaxed))
+        return static_cast<int64_t>(front ? first : end - 1);
+    }
+  };
 #pragma omp parallel num_threads(threads)
   {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int t = omp_get_thread_num();
     thread_local std::vector<float> xf, wide;
     xf.resize(std::max<size_t>(xf.size(), std::min(m, group_rows) * k));
     int64_t widened = -1;  // the group of rows whose x is in xf
@@ -2249,8 +2273,9 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
       for (int64_t c = 0; bias != nullptr && c < cols; ++c)
         bias_f32[c] = static_cast<float>(bias[j * kBlock + c]);
     };
-    // Block j for the rows g0 .. g0 + rows - 1 (of xf) in passes of up to 4 rows, which widen it as they go.
-    const auto block_passes = [&](int64_t j, int64_t g0, int64_t rows) {
+    // Block j for the rows g0 .. g0 + rows - 1 (of xf) in passes of up to 4 rows, which widen it as they go;
+    // dir is -1 where the blocks are taken back to front (the block before is fetched instead of the next).
+    const auto block_passes = [&](int64_t j, int64_t g0, int64_t rows, int64_t dir = 1) {
       int64_t cols;
       float bias_f32[kBlock];
       block_of(j, cols, bias_f32);
@@ -2264,9 +2289,9 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
         // at 8 rows, GFLOP/s, before -> after (2-core Zen 3, weights from memory, two runs): qkv 135 ->
         // 148 and 127 -> 137, gate_up 137 -> 158 and 112 -> 116, the LM head 126 -> 165 and 138 -> 161.
         // A decode step's 30 layers and head, alternating: 8 rows 21.5 -> 18.7 ms, 16 rows 39.3 -> 34.9.
-        const char* fetch =
-            passes == 1 ? block + kPrefetchBytes : block + block_bytes + i * block_bytes / passes;
-        const int64_t step = passes == 1 ? 64 : (64 + passes - 1) / passes;
+        const char* fetch = passes == 1 && dir > 0 ? block + kPrefetchBytes
+                                                   : block + dir * block_bytes + i * block_bytes / passes;
+        const int64_t step = passes == 1 && dir > 0 ? 64 : (64 + passes - 1) / passes;
         kKernelsAvx2[chunk - 1](w + j * pairs * 2 * kBlock, xf.data() + r0 * k, k, pairs, bias_f32,
                                 y + (g0 + r0) * ldy + j * kBlock, ldy, cols, fetch, step);
       }
@@ -2301,28 +2326,37 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
     }
     if (wide_groups < groups) {
       // Fewer rows than the float32 copy pays for (a decode batch, or a prompt's last rows): each thread
-      // takes a contiguous run of blocks (one sequential stream of W), as linear_avx512.
-      const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+      // takes a contiguous run of blocks (one sequential stream of W), as linear_avx512, then helps the
+      // others finish theirs (see runs_left).
       int64_t g0, rows;
       load_group(wide_groups, g0, rows);
-      int64_t j = b0;
-      // One row: the thread's blocks as four runs, block i of each together; two rows: as two runs. The
-      // rest one block at a time.
-      const auto runs = [&](auto streams, auto rows_c) {
-        constexpr int S = decltype(streams)::value;
-        const int64_t part = (b1 - b0) / S;
-        for (; j < b0 + part; ++j) {
+      // Unit u of run r: one block, or with one or two rows a step over the run's blocks as `streams` runs
+      // side by side (block u of each part), going the way dir says.
+      const auto unit = [&](int r, int64_t u, int64_t dir) {
+        const int64_t r0 = blocks * r / threads, part = (blocks * (r + 1) / threads - r0) / streams;
+        const auto step = [&](auto streams_c, auto rows_c) {
+          constexpr int S = decltype(streams_c)::value;
           int64_t cols[S];
           float bias_s[S * kBlock];
-          for (int s = 0; s < S; ++s) block_of(j + s * part, cols[s], bias_s + s * kBlock);
-          rows_streams_avx2<S, decltype(rows_c)::value>(w + j * pairs * 2 * kBlock, part, xf.data(), k, pairs,
-                                                        bias_s, y + g0 * ldy + j * kBlock, ldy, cols);
-        }
-        j = b0 + S * part;
+          for (int s = 0; s < S; ++s) block_of(r0 + u + s * part, cols[s], bias_s + s * kBlock);
+          rows_streams_avx2<S, decltype(rows_c)::value>(w + (r0 + u) * pairs * 2 * kBlock, part, xf.data(), k,
+                                                        pairs, bias_s, y + g0 * ldy + (r0 + u) * kBlock, ldy,
+                                                        cols);
+        };
+        if (rows == 1)
+          step(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
+        else if (rows == 2)
+          step(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
+        else
+          block_passes(r0 + u, g0, rows, dir);
       };
-      if (rows == 1) runs(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
-      if (rows == 2) runs(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
-      for (; j < b1; ++j) block_passes(j, g0, rows);
+      // Its own run front to back (and the blocks the parts leave over), then the last units of the
+      // others' runs, back to front.
+      for (int64_t u; (u = claim(t, true)) >= 0;) unit(t, u, 1);
+      for (int64_t j = blocks * t / threads + units(t) * streams; j < blocks * (t + 1) / threads; ++j)
+        block_passes(j, g0, rows);
+      for (int o = 1; o < threads; ++o)
+        for (int64_t u; (u = claim((t + o) % threads, false)) >= 0;) unit((t + o) % threads, u, -1);
     }
   }
 }
