@@ -299,6 +299,30 @@ inline void block_scores_bf16(const at::BFloat16* q, const at::BFloat16* rows, i
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The bytes [at, at + bytes) (the next block of the cache) prefetched a share at a time over `steps` steps
+// of a kernel, so that the prefetches do not queue up behind each other in one burst: issued back to back
+// before each visit of a block, a decode row's prefetches held half of `perf`'s samples of the attention's
+// own code (beside its kernels). One layer of SmolLM2's attention, blocks scattered, caches in huge pages,
+// alternating: 24 decode rows over 300 positions 692 -> 579 and 456 -> 367 us, 8 rows 183 -> 151 and 189 ->
+// 163 us, one row over 2048 positions 143 -> 118 and 152 -> 124 us; the same bits. Prompt rows, whose
+// shares are small (below kFetchBurstBytes), prefetch before each visit as before: shared out, they ran
+// 3-6 % slower.
+struct FetchShare {
+  const char* at;
+  int64_t bytes, per_step;
+  FetchShare(const char* at, int64_t bytes, int64_t steps)
+      : at(at),
+        bytes(bytes),
+        per_step(bytes > 0 ? ((bytes + 63) / 64 + steps - 1) / std::max<int64_t>(1, steps) * 64 : 0) {}
+  void step() {
+    for (int64_t f = 0; f < per_step && bytes > 0; f += 64, at += 64, bytes -= 64)
+      __builtin_prefetch(at, 0, 1);
+  }
+  void rest() {
+    for (; bytes > 0; at += 64, bytes -= 64) __builtin_prefetch(at, 0, 1);
+  }
+};
+
 // Lane j < 4 of the result: the sum of the 8 lanes of v[j].
 inline __m128 sum_lanes4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -311,11 +335,14 @@ inline __m128 sum_lanes4(__m256 a, __m256 b, __m256 c, __m256 d) {
 // its own). Rows of R = float come from the tile, rows of R = bf16 straight from the cache, widened as
 // they are loaded: each row is loaded once for all G vectors. 4G sums + G query chunks + a row: 16
 // registers at G = 3.
-template <int G, typename R>
+template <int G, typename R, bool kFetch = false>
 inline void group_scores_avx2(const float* q, int64_t size, const R* rows, int64_t stride, int64_t n,
-                              float* out, int64_t out_stride) {
+                              float* out, int64_t out_stride, const char* fetch = nullptr,
+                              int64_t fetch_bytes = 0) {
+  FetchShare ahead(fetch, kFetch ? fetch_bytes : 0, n / 4);
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
+    if constexpr (kFetch) ahead.step();
     const R* r = rows + j * stride;
     __m256 acc[G][4];
 #pragma GCC unroll 4
@@ -335,6 +362,7 @@ inline void group_scores_avx2(const float* q, int64_t size, const R* rows, int64
     for (int g = 0; g < G; ++g)
       _mm_storeu_ps(out + g * out_stride + j, sum_lanes4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
   }
+  if constexpr (kFetch) ahead.rest();
   for (; j < n; ++j) {  // the last rows of a block, through dot (bf16 rows widened into a thread's buffer)
     const float* row = nullptr;
     if constexpr (std::is_same_v<R, float>) {
@@ -432,15 +460,18 @@ inline void accumulate_rows_avx512(float* acc, const float* w, const float* rows
 // Rows of R = float come from the tile, rows of R = bf16 straight from the cache, each loaded once for all
 // G vectors. GC sums + G weights + a row: 16 registers at G = 3, C = 4. C is a template argument: with a
 // count known only at run time GCC kept the sums on the stack, a store and a compare per register and row.
-template <int G, int C, typename R>
+template <int G, int C, typename R, bool kFetch = false>
 inline void group_values_avx2(float* acc, int64_t size, const float* w, int64_t w_stride, const R* rows,
-                              int64_t stride, int64_t n) {
+                              int64_t stride, int64_t n, const char* fetch = nullptr,
+                              int64_t fetch_bytes = 0) {
+  FetchShare ahead(fetch, kFetch ? fetch_bytes : 0, n);
   __m256 a[G][C];
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) a[g][c] = _mm256_loadu_ps(acc + g * size + 8 * c);
   for (int64_t j = 0; j < n; ++j) {
+    if constexpr (kFetch) ahead.step();
     __m256 wj[G];
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) wj[g] = _mm256_set1_ps(w[g * w_stride + j]);
@@ -451,6 +482,7 @@ inline void group_values_avx2(float* acc, int64_t size, const float* w, int64_t 
       for (int g = 0; g < G; ++g) a[g][c] = _mm256_fmadd_ps(wj[g], v, a[g][c]);
     }
   }
+  if constexpr (kFetch) ahead.rest();
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 8
@@ -459,13 +491,14 @@ inline void group_values_avx2(float* acc, int64_t size, const float* w, int64_t 
 
 inline void accumulate_rows_avx2(float* acc, const float* w, const float* rows, int64_t stride, int64_t n,
                                  int64_t size) {
-  using Chunks = void (*)(float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t);
+  using Chunks =
+      void (*)(float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, const char*, int64_t);
   static constexpr std::array<Chunks, 8> kChunks = {
       &group_values_avx2<1, 1, float>, &group_values_avx2<1, 2, float>, &group_values_avx2<1, 3, float>,
       &group_values_avx2<1, 4, float>, &group_values_avx2<1, 5, float>, &group_values_avx2<1, 6, float>,
       &group_values_avx2<1, 7, float>, &group_values_avx2<1, 8, float>};
   for (int64_t d0 = 0; d0 < size; d0 += 64)
-    kChunks[std::min<int64_t>(8, (size - d0) / 8) - 1](acc + d0, 0, w, 0, rows + d0, stride, n);
+    kChunks[std::min<int64_t>(8, (size - d0) / 8) - 1](acc + d0, 0, w, 0, rows + d0, stride, n, nullptr, 0);
 }
 #endif
 
@@ -480,36 +513,64 @@ inline void accumulate_rows_avx2(float* acc, const float* w, const float* rows, 
 // ms; one over 2048 0.07 and 0.08 against 0.10 and 0.12 ms; 4 prompts of 500 tokens 13.3 and 16.1 against
 // 14.6 and 20.2 ms (each row of a prompt chunk widens the block again, and still gains).
 constexpr int kGroupVectorsAvx2 = 3;
+// Up to this many bytes of the next block are prefetched before a visit; more (a decode row's share, a
+// whole kv head's rows) are shared out over the kernel's steps (see FetchShare).
+constexpr int64_t kFetchBurstBytes = 1024;
 
 // The scores and the weighted V rows of `vectors` query vectors of one kv head, G at a time.
 inline void group_scores(const float* q, int64_t vectors, int64_t size, const at::BFloat16* rows,
-                         int64_t stride, int64_t n, float* out, int64_t out_stride) {
-  using Fn = void (*)(const float*, int64_t, const at::BFloat16*, int64_t, int64_t, float*, int64_t);
-  static constexpr std::array<Fn, kGroupVectorsAvx2> kFns = {&group_scores_avx2<1, at::BFloat16>,
-                                                             &group_scores_avx2<2, at::BFloat16>,
-                                                             &group_scores_avx2<3, at::BFloat16>};
+                         int64_t stride, int64_t n, float* out, int64_t out_stride, const char* fetch,
+                         int64_t fetch_bytes) {
+  using Fn = void (*)(const float*, int64_t, const at::BFloat16*, int64_t, int64_t, float*, int64_t,
+                      const char*, int64_t);
+  using BF = at::BFloat16;
+  static constexpr std::array<std::array<Fn, kGroupVectorsAvx2>, 2> kFns = {{
+      {&group_scores_avx2<1, BF>, &group_scores_avx2<2, BF>, &group_scores_avx2<3, BF>},
+      {&group_scores_avx2<1, BF, true>, &group_scores_avx2<2, BF, true>, &group_scores_avx2<3, BF, true>},
+  }};
   for (int64_t g = 0; g < vectors; g += kGroupVectorsAvx2) {
     const int64_t count = std::min<int64_t>(kGroupVectorsAvx2, vectors - g);
-    kFns[count - 1](q + g * size, size, rows, stride, n, out + g * out_stride, out_stride);
+    kFns[fetch_bytes > 0][count - 1](q + g * size, size, rows, stride, n, out + g * out_stride, out_stride,
+                                     fetch, fetch_bytes);
+    fetch_bytes = 0;
   }
 }
 
 inline void group_values(float* acc, int64_t vectors, int64_t size, const float* w, int64_t w_stride,
-                         const at::BFloat16* rows, int64_t stride, int64_t n) {
-  using Fn = void (*)(float*, int64_t, const float*, int64_t, const at::BFloat16*, int64_t, int64_t);
-  static constexpr std::array<std::array<Fn, 4>, kGroupVectorsAvx2> kFns = {{
-      {&group_values_avx2<1, 1, at::BFloat16>, &group_values_avx2<1, 2, at::BFloat16>,
-       &group_values_avx2<1, 3, at::BFloat16>, &group_values_avx2<1, 4, at::BFloat16>},
-      {&group_values_avx2<2, 1, at::BFloat16>, &group_values_avx2<2, 2, at::BFloat16>,
-       &group_values_avx2<2, 3, at::BFloat16>, &group_values_avx2<2, 4, at::BFloat16>},
-      {&group_values_avx2<3, 1, at::BFloat16>, &group_values_avx2<3, 2, at::BFloat16>,
-       &group_values_avx2<3, 3, at::BFloat16>, &group_values_avx2<3, 4, at::BFloat16>},
+                         const at::BFloat16* rows, int64_t stride, int64_t n, const char* fetch,
+                         int64_t fetch_bytes) {
+  using Fn = void (*)(float*, int64_t, const float*, int64_t, const at::BFloat16*, int64_t, int64_t,
+                      const char*, int64_t);
+  using BF = at::BFloat16;
+  static constexpr std::array<std::array<std::array<Fn, 4>, kGroupVectorsAvx2>, 2> kFns = {{
+      {{
+          {&group_values_avx2<1, 1, BF>, &group_values_avx2<1, 2, BF>, &group_values_avx2<1, 3, BF>,
+           &group_values_avx2<1, 4, BF>},
+          {&group_values_avx2<2, 1, BF>, &group_values_avx2<2, 2, BF>, &group_values_avx2<2, 3, BF>,
+           &group_values_avx2<2, 4, BF>},
+          {&group_values_avx2<3, 1, BF>, &group_values_avx2<3, 2, BF>, &group_values_avx2<3, 3, BF>,
+           &group_values_avx2<3, 4, BF>},
+      }},
+      {{
+          {&group_values_avx2<1, 1, BF, true>, &group_values_avx2<1, 2, BF, true>,
+           &group_values_avx2<1, 3, BF, true>, &group_values_avx2<1, 4, BF, true>},
+          {&group_values_avx2<2, 1, BF, true>, &group_values_avx2<2, 2, BF, true>,
+           &group_values_avx2<2, 3, BF, true>, &group_values_avx2<2, 4, BF, true>},
+          {&group_values_avx2<3, 1, BF, true>, &group_values_avx2<3, 2, BF, true>,
+           &group_values_avx2<3, 3, BF, true>, &group_values_avx2<3, 4, BF, true>},
+      }},
   }};
   for (int64_t g = 0; g < vectors; g += kGroupVectorsAvx2) {
     const int64_t count = std::min<int64_t>(kGroupVectorsAvx2, vectors - g);
-    for (int64_t d = 0; d < size; d += 32)
-      kFns[count - 1][std::min<int64_t>(4, (size - d) / 8) - 1](acc + g * size + d, size, w + g * w_stride,
-                                                                w_stride, rows + d, stride, n);
+    for (int64_t d = 0; d < size; d += 32) {  // the fetch shared out over the chunks of 32 values
+      const int64_t share =
+          fetch_bytes > 0
+              ? std::min(fetch_bytes, ((fetch_bytes + 63) / 64 * 32 + size - d - 1) / (size - d) * 64)
+              : 0;
+      kFns[share > 0][count - 1][std::min<int64_t>(4, (size - d) / 8) - 1](
+          acc + g * size + d, size, w + g * w_stride, w_stride, rows + d, stride, n, fetch, share);
+      fetch += share, fetch_bytes -= share;
+    }
   }
 }
 #endif
@@ -894,11 +955,11 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
           for (int64_t i = i0; i < c.len; ++i) {
             const int64_t n = std::min(end, c.pos0 + i + 1 - first);  // positions of this block row i sees
             for (int64_t kh = 0; kh < tk.h1 - tk.h0; ++kh) {
-              if (ahead != nullptr && fetched < block_bytes) {
-                prefetch(ahead + fetched, std::min(slice, block_bytes - fetched));
-                fetched += slice;
-              }
-              visit(i * nq + kh * a.group, &tile[kh * a.head_dim], raw + kh * a.head_dim, first - k0, n);
+              const int64_t fetch =
+                  ahead != nullptr ? std::max<int64_t>(0, std::min(slice, block_bytes - fetched)) : 0;
+              visit(i * nq + kh * a.group, &tile[kh * a.head_dim], raw + kh * a.head_dim, first - k0, n,
+                    ahead == nullptr ? nullptr : ahead + fetched, fetch);
+              fetched += fetch;
             }
           }
         }
@@ -906,14 +967,18 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       };
       const bool valid = walk(
           a.k_ptr, a.v_ptr, !raw_scores && !in_place,
-          [&](int64_t v0, const float* k_rows, const T* k_raw, int64_t first, int64_t n) {
+          [&](int64_t v0, const float* k_rows, const T* k_raw, int64_t first, int64_t n, const char* fetch,
+              int64_t fetch_bytes) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
             if constexpr (std::is_same_v<T, c10::BFloat16>) {
-              if (in_place)
+              if (in_place) {
+                if (fetch_bytes <= kFetchBurstBytes) prefetch(fetch, fetch_bytes), fetch_bytes = 0;
                 return group_scores(&q[v0 * a.head_dim], a.group, a.head_dim, k_raw, a.slot_stride, n,
-                                    &scores[v0 * part_len + first], part_len);
+                                    &scores[v0 * part_len + first], part_len, fetch, fetch_bytes);
+              }
             }
 #endif
+            prefetch(fetch, fetch_bytes);
             for (int64_t v = v0; v < v0 + a.group; ++v) {
 #if defined(__AVX512BF16__)
               if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -953,14 +1018,19 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       float* const sums = part_acc == nullptr ? acc.data() : part_acc;
       std::fill(sums, sums + c.len * nq * a.head_dim, 0.f);
       walk(a.v_ptr, nullptr, !raw_values && !in_place,
-           [&](int64_t v0, const float* v_rows, const T* v_raw, int64_t first, int64_t n) {
+           [&](int64_t v0, const float* v_rows, const T* v_raw, int64_t first, int64_t n, const char* fetch,
+               int64_t fetch_bytes) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
              if constexpr (std::is_same_v<T, c10::BFloat16>) {
-               if (in_place)
+               if (in_place) {
+                 if (fetch_bytes <= kFetchBurstBytes) prefetch(fetch, fetch_bytes), fetch_bytes = 0;
                  return group_values(&sums[v0 * a.head_dim], a.group, a.head_dim,
-                                     &scores[v0 * part_len + first], part_len, v_raw, a.slot_stride, n);
+                                     &scores[v0 * part_len + first], part_len, v_raw, a.slot_stride, n, fetch,
+                                     fetch_bytes);
+               }
              }
 #endif
+             prefetch(fetch, fetch_bytes);
 #if defined(__AVX512BF16__)
              if constexpr (std::is_same_v<T, c10::BFloat16>) {
                if (raw_values) {
