@@ -2299,8 +2299,9 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
   const int64_t wide_groups = m - (groups - 1) * group_rows >= kAvx2WideMinRows ? groups : groups - 1;
   std::atomic<int64_t> next_unit{0};
   // Below the float32 copy thread t first takes its run of blocks t * blocks / threads .. (t + 1) * blocks /
-  // threads, in units of one block, or with one or two rows of `streams` blocks (see rows_streams_avx2);
-  // runs_left[t] holds the units not yet taken, [first, end) packed as first << 32 | end. Its thread takes
+  // threads, in units of one block, or with one or two rows first in steps over `streams` parts of the run
+  // side by side (see rows_streams_avx2), then the blocks the parts leave over one at a time; runs_left[t]
+  // holds the units not yet taken, [first, end) packed as first << 32 | end. Its thread takes
   // them from the front, and the others from the back once their own runs are done, so that a thread slowed
   // down (the cores being shared) is helped rather than waited for: with equal runs alone, one of the two
   // threads of a 2-core Zen 3 waited 10-25 % of a decode-shaped call. The 30 layers' linears and the LM head,
@@ -2309,12 +2310,22 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
   // 2-5 % slower at 5-12 rows in a quiet moment: a run read back to front streams worse.
   const int64_t tail_rows = m - wide_groups * group_rows;
   const int64_t streams = tail_rows == 1 ? 4 : (tail_rows == 2 ? 2 : 1);
-  const auto units = [&](int r) { return (blocks * (r + 1) / threads - blocks * r / threads) / streams; };
+  // Run r's first block, its units (steps and blocks left over), and the steps.
+  const auto run_of = [&](int r, int64_t& r0, int64_t& units, int64_t& steps) {
+    r0 = blocks * r / threads;
+    const int64_t size = blocks * (r + 1) / threads - r0;
+    steps = size / streams;
+    units = steps + size - steps * streams;
+  };
   struct alignas(64) Run {  // a cache line each: its thread takes it for itself with every unit
     std::atomic<uint64_t> left;
   };
   std::unique_ptr<Run[]> runs_left(new Run[threads]);
-  for (int r = 0; r < threads; ++r) runs_left[r].left = static_cast<uint64_t>(units(r));
+  for (int r = 0; r < threads; ++r) {
+    int64_t r0, units, steps;
+    run_of(r, r0, units, steps);
+    runs_left[r].left = static_cast<uint64_t>(units);
+  }
   // A unit of run r from the front or the back, or -1 when none is left.
   const auto claim = [&](int r, bool front) -> int64_t {
     uint64_t v = runs_left[r].left.load(std::memory_order_relaxed);
@@ -2404,10 +2415,11 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
       // others finish theirs (see runs_left).
       int64_t g0, rows;
       load_group(wide_groups, g0, rows);
-      // Unit u of run r: one block, or with one or two rows a step over the run's blocks as `streams` runs
-      // side by side (block u of each part), going the way dir says.
+      // Unit u of run r: a step (block u of each part) or a block, taken the way dir says.
       const auto unit = [&](int r, int64_t u, int64_t dir) {
-        const int64_t r0 = blocks * r / threads, part = (blocks * (r + 1) / threads - r0) / streams;
+        int64_t r0, units, part;
+        run_of(r, r0, units, part);
+        if (u >= part || streams == 1) return block_passes(r0 + part * (streams - 1) + u, g0, rows, dir);
         const auto step = [&](auto streams_c, auto rows_c) {
           constexpr int S = decltype(streams_c)::value;
           int64_t cols[S];
@@ -2417,18 +2429,12 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
                                                         pairs, bias_s, y + g0 * ldy + (r0 + u) * kBlock, ldy,
                                                         cols);
         };
-        if (rows == 1)
-          step(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
-        else if (rows == 2)
-          step(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
-        else
-          block_passes(r0 + u, g0, rows, dir);
+        if (rows == 1) step(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
+        if (rows == 2) step(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
       };
-      // Its own run front to back (and the blocks the parts leave over), then the last units of the
-      // others' runs, back to front.
+      // Its own run front to back, then the last units of the others' runs, back to front (all of them
+      // where OpenMP gave fewer threads than asked).
       for (int64_t u; (u = claim(t, true)) >= 0;) unit(t, u, 1);
-      for (int64_t j = blocks * t / threads + units(t) * streams; j < blocks * (t + 1) / threads; ++j)
-        block_passes(j, g0, rows);
       for (int o = 1; o < threads; ++o)
         for (int64_t u; (u = claim((t + o) % threads, false)) >= 0;) unit((t + o) % threads, u, -1);
     }
