@@ -7,9 +7,11 @@ The extension is built on first use (g++ and ninja); the module is skipped where
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import subprocess
+import sys
 import sysconfig
 
 import pytest
@@ -401,6 +403,35 @@ def test_avx2_linear_gives_a_row_the_same_bits_in_any_pass_of_3_to_6_rows(rows, 
     for start, size in [(0, 3), (3, 4), (7, 4), (4, 32), (rows - 3, 3)]:
         part = kernels.linear(x[start : start + size], packed, n, b)
         assert torch.equal(part, whole[start : start + size]), (start, size)
+
+
+_FEWER_THREADS_SCRIPT = """
+import torch
+from pagedserve.kernels import cpu_ops
+torch.set_num_threads(2)
+kernels = cpu_ops.linear_kernels()
+gen = torch.Generator().manual_seed(0)
+for rows, n, k in [(1, 960, 576), (2, 200, 96), (3, 576, 64), (8, 17, 63), (24, 100, 96), (100, 48, 96)]:
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    out = kernels.linear(x, kernels.pack_linear_weight(weight), n, None)
+    exact = x.double() @ weight.double().T
+    torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-4)
+print("ok")
+"""
+
+
+@needs_linear
+def test_linear_computes_every_block_when_openmp_starts_fewer_threads_than_asked():
+    # Two threads asked, one started (OMP_THREAD_LIMIT): the AVX2 linear's run of blocks of the thread
+    # that never started is taken, unit by unit from its back end, by the one that did (in a decode
+    # batch: one block, or a step of two or four streams for one or two rows, and the blocks they leave
+    # over); a block nobody takes would leave its columns unwritten.
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _FEWER_THREADS_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 @needs_linear
