@@ -298,6 +298,19 @@ inline void block_scores_bf16(const at::BFloat16* q, const at::BFloat16* rows, i
 }
 #endif
 
+// Brings the bytes [ptr, ptr + bytes) towards the cache ahead of use: the next block of a sequence lies
+// anywhere in the pool, so the hardware prefetcher cannot guess it.
+inline void prefetch(const void* ptr, int64_t bytes) {
+  const char* p = static_cast<const char*>(ptr);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
+}
+
+// prefetch for lines about to be written (owned by this core when the stores come).
+inline void prefetch_write(const void* ptr, int64_t bytes) {
+  const char* p = static_cast<const char*>(ptr);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 1, 1);
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 // The bytes [at, at + bytes) (the next block of the cache) prefetched a share at a time over `steps` steps
 // of a kernel, so that the prefetches do not queue up behind each other in one burst: issued back to back
@@ -319,7 +332,8 @@ struct FetchShare {
       __builtin_prefetch(at, 0, 1);
   }
   void rest() {
-    for (; bytes > 0; at += 64, bytes -= 64) __builtin_prefetch(at, 0, 1);
+    prefetch(at, bytes);
+    bytes = 0;
   }
 };
 
@@ -513,17 +527,19 @@ inline void accumulate_rows_avx2(float* acc, const float* w, const float* rows, 
 // ms; one over 2048 0.07 and 0.08 against 0.10 and 0.12 ms; 4 prompts of 500 tokens 13.3 and 16.1 against
 // 14.6 and 20.2 ms (each row of a prompt chunk widens the block again, and still gains).
 constexpr int kGroupVectorsAvx2 = 3;
-// Up to this many bytes of the next block are prefetched before a visit; more (a decode row's share, a
-// whole kv head's rows) are shared out over the kernel's steps (see FetchShare).
+// Up to this many bytes of the next block are prefetched before a visit (a prompt row's share); more (a
+// decode row's) are shared out over the kernels' steps (see FetchShare).
 constexpr int64_t kFetchBurstBytes = 1024;
 
-// The scores and the weighted V rows of `vectors` query vectors of one kv head, G at a time.
+// The scores and the weighted V rows of `vectors` query vectors of one kv head, G at a time, with the
+// `fetch_bytes` at fetch prefetched.
 inline void group_scores(const float* q, int64_t vectors, int64_t size, const at::BFloat16* rows,
                          int64_t stride, int64_t n, float* out, int64_t out_stride, const char* fetch,
                          int64_t fetch_bytes) {
   using Fn = void (*)(const float*, int64_t, const at::BFloat16*, int64_t, int64_t, float*, int64_t,
                       const char*, int64_t);
   using BF = at::BFloat16;
+  if (fetch_bytes <= kFetchBurstBytes) prefetch(fetch, fetch_bytes), fetch_bytes = 0;
   static constexpr std::array<std::array<Fn, kGroupVectorsAvx2>, 2> kFns = {{
       {&group_scores_avx2<1, BF>, &group_scores_avx2<2, BF>, &group_scores_avx2<3, BF>},
       {&group_scores_avx2<1, BF, true>, &group_scores_avx2<2, BF, true>, &group_scores_avx2<3, BF, true>},
@@ -542,6 +558,7 @@ inline void group_values(float* acc, int64_t vectors, int64_t size, const float*
   using Fn = void (*)(float*, int64_t, const float*, int64_t, const at::BFloat16*, int64_t, int64_t,
                       const char*, int64_t);
   using BF = at::BFloat16;
+  if (fetch_bytes <= kFetchBurstBytes) prefetch(fetch, fetch_bytes), fetch_bytes = 0;
   static constexpr std::array<std::array<std::array<Fn, 4>, kGroupVectorsAvx2>, 2> kFns = {{
       {{
           {&group_values_avx2<1, 1, BF>, &group_values_avx2<1, 2, BF>, &group_values_avx2<1, 3, BF>,
@@ -716,19 +733,6 @@ inline void accumulate_group_bf16(float* acc, const float* w, int64_t w_stride, 
   }
 }
 #endif
-
-// Brings the bytes [ptr, ptr + bytes) towards the cache ahead of use: the next block of a sequence lies
-// anywhere in the pool, so the hardware prefetcher cannot guess it.
-inline void prefetch(const void* ptr, int64_t bytes) {
-  const char* p = static_cast<const char*>(ptr);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
-}
-
-// prefetch for lines about to be written (owned by this core when the stores come).
-inline void prefetch_write(const void* ptr, int64_t bytes) {
-  const char* p = static_cast<const char*>(ptr);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 1, 1);
-}
 
 // out[0 .. n) = acc[0 .. n) * scale, rounded to T.
 template <typename T>
@@ -972,7 +976,6 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
             if constexpr (std::is_same_v<T, c10::BFloat16>) {
               if (in_place) {
-                if (fetch_bytes <= kFetchBurstBytes) prefetch(fetch, fetch_bytes), fetch_bytes = 0;
                 return group_scores(&q[v0 * a.head_dim], a.group, a.head_dim, k_raw, a.slot_stride, n,
                                     &scores[v0 * part_len + first], part_len, fetch, fetch_bytes);
               }
@@ -1023,7 +1026,6 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
              if constexpr (std::is_same_v<T, c10::BFloat16>) {
                if (in_place) {
-                 if (fetch_bytes <= kFetchBurstBytes) prefetch(fetch, fetch_bytes), fetch_bytes = 0;
                  return group_values(&sums[v0 * a.head_dim], a.group, a.head_dim,
                                      &scores[v0 * part_len + first], part_len, v_raw, a.slot_stride, n, fetch,
                                      fetch_bytes);
@@ -2306,8 +2308,8 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
   // down (the cores being shared) is helped rather than waited for: with equal runs alone, one of the two
   // threads of a 2-core Zen 3 waited 10-25 % of a decode-shaped call. The 30 layers' linears and the LM head,
   // weights from memory, alternating rounds: 8 rows 19.9 -> 17.2 ms, 24 rows 56.3 -> 53.4 ms, 1 row 9.96 ->
-  // 9.69 ms. Every thread taking its blocks from both ends of its run (no stealing, the same claims) ran
-  // 2-5 % slower at 5-12 rows in a quiet moment: a run read back to front streams worse.
+  // 9.69 ms. Two threads sharing one run from its two ends, one of them reading it back to front from the
+  // start, ran 2-5 % slower at 5-12 rows in a quiet moment: a run read back to front streams worse.
   const int64_t tail_rows = m - wide_groups * group_rows;
   const int64_t streams = tail_rows == 1 ? 4 : (tail_rows == 2 ? 2 : 1);
   // Run r's first block, its units (steps and blocks left over), and the steps.
