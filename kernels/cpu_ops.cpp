@@ -328,8 +328,9 @@ struct FetchShare {
         bytes(bytes),
         per_step(bytes > 0 ? ((bytes + 63) / 64 + steps - 1) / std::max<int64_t>(1, steps) * 64 : 0) {}
   void step() {
-    for (int64_t f = 0; f < per_step && bytes > 0; f += 64, at += 64, bytes -= 64)
-      __builtin_prefetch(at, 0, 1);
+    const int64_t now = std::min(per_step, bytes);
+    prefetch(at, now);
+    at += now, bytes -= now;
   }
   void rest() {
     prefetch(at, bytes);
@@ -2389,17 +2390,17 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
     // % of a 2048-row call. A prompt step of 2048 tokens (30 layers), alternating: 3.93 -> 3.57 s and 3.84 ->
     // 3.56 s; the 24-request workload's prompt steps, forward seconds, three alternating pairs of runs:
     // 11.62 / 13.26 -> 11.31 / 11.19, 12.01 / 11.98 -> 10.48 / 10.89, 12.65 / 12.83 -> 11.73 / 10.65.
+    if (wide_groups > 0) wide.resize(std::max<size_t>(wide.size(), pairs * 2 * kBlock + 8));
+    float* const wide_block =  // 32-byte aligned, for whole-ymm loads
+        reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wide.data()) + 31) & ~uintptr_t{31});
+    static_assert(kAvx2WideMinRows > 4 * kAvx2WideMaxRows);
     for (int64_t u = next_unit.fetch_add(1, std::memory_order_relaxed); u < wide_groups * blocks;
          u = next_unit.fetch_add(1, std::memory_order_relaxed)) {
       const int64_t j = u % blocks;
       int64_t g0, rows;
       load_group(u / blocks, g0, rows);
       // Balanced passes over the widened block: past 24 rows, of 5 and 6 rows.
-      static_assert(kAvx2WideMinRows > 4 * kAvx2WideMaxRows);
       const int64_t passes = (rows + kAvx2WideMaxRows - 1) / kAvx2WideMaxRows;
-      wide.resize(std::max<size_t>(wide.size(), pairs * 2 * kBlock + 8));
-      float* const wide_block =  // 32-byte aligned, for whole-ymm loads
-          reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wide.data()) + 31) & ~uintptr_t{31});
       int64_t cols;
       float bias_f32[kBlock];
       block_of(j, cols, bias_f32);
