@@ -450,13 +450,15 @@ def test_linear_reads_strided_and_batched_inputs():
 
 
 @needs_linear
-@pytest.mark.parametrize("rows", [1, 8, 9, 30, 31, 61, 250])
-@pytest.mark.parametrize(("size", "k"), [(96, 64), (40, 30), (48, 33)])
+@pytest.mark.parametrize("rows", [1, 8, 9, 30, 31, 61, 200, 250])
+@pytest.mark.parametrize(("size", "k"), [(96, 64), (40, 30), (48, 33), (32, 800)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_silu_is_linear_then_silu_mul(rows, size, k, bias):
-    # The MLP's gate_up and activation in one pass where it applies (size a multiple of 16, even K, more
-    # than 8 rows: one pass over each block or several, and past 120 rows in groups of rows), else the
-    # two calls: the same bits either way, from a strided view and with leading dimensions too.
+    # The MLP's gate_up and activation in one pass where it applies (size a multiple of 16, even K; on
+    # AVX-512 more than 8 rows: one pass over each block or several, and past 120 rows in groups of rows;
+    # on AVX2 the rows through the float32 copy, from 32 in groups of 96 or, past K = 768, 48, with a
+    # short last group as the two calls: 200 rows), else the two calls: the same bits either way, from a
+    # strided view and with leading dimensions too.
     gen = torch.Generator().manual_seed(rows * size + k)
     weight = torch.randn(2 * size, k, generator=gen).bfloat16()
     b = torch.randn(2 * size, generator=gen).bfloat16() if bias else None
