@@ -2651,11 +2651,14 @@ class DecoderStack {
 
   // x [T, hidden] is the embedded batch, the residual stream (updated in place); returns the final norm
   // of the last layer's output. The other arguments are those of rotary_write_kv_ and paged_attention_,
-  // with one K and one V cache per layer.
+  // with one K and one V cache per layer. output_rows (int64 indices of x's rows): the rows returned, in
+  // that order; the last layer computes attention, o and the MLP for them alone (see OutputRows), and
+  // every row's K and V as always. None: all rows.
   at::Tensor forward(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                     const at::Tensor& query_start_loc, const at::Tensor& context_lens) const {
+                     const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                     const c10::optional<at::Tensor>& output_rows = c10::nullopt) const {
     const int64_t num_layers = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(num_layers > 0, "the stack has no layers");
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers &&
@@ -2665,6 +2668,10 @@ class DecoderStack {
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
                 "x must be contiguous bf16 [num_tokens, ", hidden_, "]");
     const int64_t t = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const c10::optional<OutputRows> out_rows =
+        output_rows.has_value()
+            ? c10::make_optional(OutputRows(*output_rows, t, block_tables, query_start_loc, context_lens))
+            : c10::nullopt;
     at::Tensor h = rms_norm(x, layers_[0].input_norm, eps_);
     for (int64_t i = 0; i < num_layers; ++i) {
       const StackLayer& layer = layers_[i];
@@ -2677,6 +2684,8 @@ class DecoderStack {
                       rms_norm(qk.narrow(1, num_heads_, num_kv_heads_), *layer.k_norm, eps_)},
                      1);
       rotary_write_kv_(qk, v, cos, sin, k_cache, v_cache, slot_mapping);
+      if (i + 1 == num_layers && out_rows.has_value())
+        return last_layer_rows(x, qk, k_cache, v_cache, *out_rows);
       at::Tensor attn = at::empty({t, num_heads_, head_dim_}, x.options());
       // max_pairs -1: every sequence is computed here (the row and tiled kernels serve any length).
       paged_attention_(attn, qk.narrow(1, 0, num_heads_), k_cache, v_cache, block_tables, query_start_loc,
@@ -2698,7 +2707,8 @@ class DecoderStack {
                             const at::Tensor& embedding, const at::Tensor& rope_table,
                             const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                            const at::Tensor& query_start_loc, const at::Tensor& context_lens) const {
+                            const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                            const c10::optional<at::Tensor>& output_rows = c10::nullopt) const {
     TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong &&
                     positions.sizes() == input_ids.sizes() && positions.scalar_type() == at::kLong,
                 "input_ids and positions must be int64 [num_tokens]");
@@ -2732,12 +2742,66 @@ class DecoderStack {
       }
     });
     return forward(x, rope.narrow(2, 0, head_dim_), rope.narrow(2, head_dim_, head_dim_), k_caches, v_caches,
-                   slot_mapping, block_tables, query_start_loc, context_lens);
+                   slot_mapping, block_tables, query_start_loc, context_lens, output_rows);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
+  // The rows a step's caller reads (the rows it samples from, or scores prompt tokens with): only their
+  // final hidden states matter, and in the last layer a row's attention output, o and MLP feed nothing
+  // but its own final state, so there they are computed for these rows alone, each as one query over its
+  // sequence up to its own position (a decode row). The other rows' K and V are written as always.
+  struct OutputRows {
+    at::Tensor rows;                  // int64 [R], rows of the batch
+    at::Tensor tables, starts, lens;  // paged_attention_'s metadata for them: one sequence each
+    OutputRows(const at::Tensor& output_rows, int64_t num_tokens, const at::Tensor& block_tables,
+               const at::Tensor& query_start_loc, const at::Tensor& context_lens) {
+      TORCH_CHECK(output_rows.dim() == 1 && output_rows.scalar_type() == at::kLong,
+                  "output_rows must be int64 [R]");
+      rows = output_rows.contiguous();
+      const at::Tensor starts_in = query_start_loc.contiguous(), ctx_in = context_lens.contiguous();
+      const int64_t num_seqs = ctx_in.numel(), count = rows.numel();
+      TORCH_CHECK(starts_in.scalar_type() == at::kInt && ctx_in.scalar_type() == at::kInt &&
+                      starts_in.numel() == num_seqs + 1,
+                  "query_start_loc must be int32 [S + 1] and context_lens int32 [S]");
+      const int32_t* start = starts_in.const_data_ptr<int32_t>();
+      const int32_t* ctx = ctx_in.const_data_ptr<int32_t>();
+      const int64_t* row = rows.const_data_ptr<int64_t>();
+      at::Tensor seqs = at::empty({count}, rows.options());
+      lens = at::empty({count}, ctx_in.options());
+      int64_t* seq = seqs.mutable_data_ptr<int64_t>();
+      int32_t* len = lens.mutable_data_ptr<int32_t>();
+      for (int64_t i = 0; i < count; ++i) {
+        TORCH_CHECK(row[i] >= 0 && row[i] < num_tokens, "output row ", row[i], " is outside the batch (",
+                    num_tokens, " rows)");
+        seq[i] = std::upper_bound(start, start + num_seqs + 1, row[i]) - start - 1;
+        len[i] = ctx[seq[i]] - (start[seq[i] + 1] - static_cast<int32_t>(row[i])) + 1;  // its position + 1
+      }
+      tables = block_tables.index_select(0, seqs);
+      starts = at::arange(count + 1, ctx_in.options());
+    }
+  };
+
+  // The last layer's attention output, o and MLP for the output rows (x and qk hold every row, qk rotated
+  // and its K and V written); returns their final norm, [R, hidden].
+  at::Tensor last_layer_rows(const at::Tensor& x, const at::Tensor& qk, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const OutputRows& out) const {
+    const StackLayer& layer = layers_.back();
+    const int64_t count = out.rows.numel();
+    at::Tensor xr = x.index_select(0, out.rows);
+    if (count == 0) return xr;
+    const at::Tensor q = qk.narrow(1, 0, num_heads_).index_select(0, out.rows);
+    at::Tensor attn = at::empty({count, num_heads_, head_dim_}, x.options());
+    paged_attention_(attn, q, k_cache, v_cache, out.tables, out.starts, out.lens, scale_, -1,
+                     min_tile_lanes_);
+    const at::Tensor h =
+        add_rms_norm_(xr, linear(attn.view({count, num_heads_ * head_dim_}), layer.o, hidden_, layer.o_bias),
+                      layer.post_attention_norm, eps_);
+    const at::Tensor act = linear_silu(h, layer.gate_up, intermediate_, layer.gate_up_bias);
+    return add_rms_norm_(xr, linear(act, layer.down, hidden_, layer.down_bias), final_norm_, eps_);
+  }
+
   static void check_packed(const at::Tensor& packed, int64_t n, int64_t k, const char* name) {
     TORCH_CHECK(
         packed.dim() == 4 && packed.size(0) == (n + kBlock - 1) / kBlock && packed.size(1) == (k + 1) / 2,
@@ -2782,6 +2846,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("down_bias"), py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("q_norm"),
            py::arg("k_norm"))
       .def("forward_tokens", &DecoderStack::forward_tokens,
-           "forward over token ids and positions, with the embedding and RoPE table rows gathered here")
+           "forward over token ids and positions, with the embedding and RoPE table rows gathered here",
+           py::arg("input_ids"), py::arg("positions"), py::arg("embedding"), py::arg("rope_table"),
+           py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"),
+           py::arg("query_start_loc"), py::arg("context_lens"), py::arg("output_rows") = py::none())
       .def_property_readonly("num_layers", &DecoderStack::num_layers);
 }

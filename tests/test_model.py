@@ -117,11 +117,15 @@ class PagedCache:
         return positions, attn
 
     def run(
-        self, model: CausalLM, tokens: list[torch.Tensor], chunks: list[tuple[int, int, int]]
+        self,
+        model: CausalLM,
+        tokens: list[torch.Tensor],
+        chunks: list[tuple[int, int, int]],
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         positions, attn = self.step(chunks)
         input_ids = torch.cat([tokens[s][a:b] for s, a, b in chunks])
-        return model.compute_logits(model(input_ids, positions, attn, self.kv_caches))
+        return model.compute_logits(model(input_ids, positions, attn, self.kv_caches, output_rows))
 
 
 def _hf_logits(hf: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -173,6 +177,33 @@ def test_chunked_prefill_then_decode_matches_one_pass(tiny):
             got[s].append(rows)
     for s in (0, 1):
         torch.testing.assert_close(torch.cat(got[s]), expected[s], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_rows_are_those_rows_of_the_whole_batch(tmp_path, dtype):
+    # A step's caller reads a few rows (those it samples from or scores prompt tokens with): the last layer
+    # computes them alone, as decode rows, and still writes every row's K and V. Their logits are those of
+    # the whole batch's rows (within the two attention paths' rounding), in the order asked, and every
+    # later step sees the same cache.
+    _save_tiny_hf_model(FAMILIES["qwen3_qk_norm_explicit_head_dim"](), tmp_path)
+    model = load_model(tmp_path, dtype, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    tokens = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (30, 18, 9)]
+    steps = [[(0, 0, 12), (1, 0, 17), (2, 0, 4)], [(2, 4, 9), (0, 12, 30), (1, 17, 18)]]
+    # rows of each step: the sequences' last rows out of order, prompt rows, one twice; then none
+    picks = [[[28, 11, 0, 5, 5], []], [[22, 4, 0, 9], [1]]]
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
+    for step_picks in picks:
+        whole, part = (PagedCache(model, 3, block_size=4, seed=4) for _ in range(2))
+        for chunks, rows in zip(steps, step_picks, strict=True):
+            expected = whole.run(model, tokens, chunks)
+            got = part.run(model, tokens, chunks, torch.tensor(rows, dtype=torch.int64))
+            assert got.shape == (len(rows), VOCAB)
+            torch.testing.assert_close(got, expected[rows], **tol)
+            for (k1, v1), (k2, v2) in zip(whole.kv_caches, part.kv_caches, strict=True):
+                assert torch.equal(k1.nan_to_num(), k2.nan_to_num()) and torch.equal(
+                    v1.nan_to_num(), v2.nan_to_num()
+                )
 
 
 def test_loader_reads_sharded_checkpoints(tmp_path):
@@ -241,11 +272,13 @@ def test_decoder_stack_computes_the_python_loops_bits(tmp_path, family):
     gen = torch.Generator().manual_seed(5)
     tokens = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (40, 30)]
     steps = [[(0, 0, 9), (1, 0, 20)], [(1, 20, 21), (0, 9, 30)], [(0, 30, 31), (1, 21, 22)], [(1, 22, 23)]]
+    # the rows a caller reads: the last layer computes them alone (see CausalLM.forward)
+    output_rows = [torch.tensor([28, 8, 3]), torch.tensor([21, 0]), None, None]
     runs = []
     for use_stack in (True, False):
         model.stack = stack if use_stack else None
         cache = PagedCache(model, 2, block_size=4, seed=2)
-        runs.append([cache.run(model, tokens, chunks) for chunks in steps])
+        runs.append([cache.run(model, tokens, *args) for args in zip(steps, output_rows, strict=True)])
         runs[-1].append(torch.cat([k for k, _ in cache.kv_caches] + [v for _, v in cache.kv_caches]))
     model.stack = stack
     for got, expected in zip(*runs, strict=True):

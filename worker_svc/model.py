@@ -252,7 +252,10 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The output for every row of x, or for `rows` alone (every row's keys and values are written
+        either way; see CausalLM.forward)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -264,6 +267,14 @@ class Attention(nn.Module):
         # q and k heads rotated together, in place, and the keys and values written to the cache.
         self.ops.rotary_write_kv_(qk, v, *cos_sin, k_cache, v_cache, attn.slot_mapping)
         q = qk[:, : self.num_heads]
+        if rows is not None:
+            # Each row as one query over its sequence up to its own position: a decode batch.
+            seqs = torch.searchsorted(attn.query_start_loc, rows.to(torch.int32), right=True) - 1
+            lens = attn.context_lens[seqs] - (attn.query_start_loc[seqs + 1] - rows.to(torch.int32)) + 1
+            out = self.ops.paged_decode_attention(
+                q[rows], k_cache, v_cache, attn.block_tables[seqs], lens, self.scale
+            )
+            return self.o_proj(out.reshape(rows.shape[0], self.q_size))
         if attn.max_query_len == 1:
             assert t == attn.context_lens.shape[0], "a decode batch has exactly one row per sequence"
             out = self.ops.paged_decode_attention(
@@ -306,11 +317,16 @@ class DecoderLayer(nn.Module):
         attn: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         next_norm: RMSNorm,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x is the residual stream (updated in place: it is this forward's own tensor) and h its
         input_layernorm; returns next_norm of the updated stream, the next layer's input (or the final
-        norm). Each residual add is fused with the norm that follows it."""
-        h = self.post_attention_layernorm.add_(x, self.self_attn(h, cos_sin, attn, kv_cache))
+        norm), of every row or of `rows` alone (see CausalLM.forward). Each residual add is fused with the
+        norm that follows it."""
+        out = self.self_attn(h, cos_sin, attn, kv_cache, rows)
+        if rows is not None:
+            x = x[rows]
+        h = self.post_attention_layernorm.add_(x, out)
         return next_norm.add_(x, self.mlp(h))
 
 
@@ -347,7 +363,14 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         attn: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The final hidden states (after the last norm) of every row of the batch, or of `output_rows`
+        (int64 row indices, in that order) alone: the rows a step samples from or scores prompt tokens
+        with. In the last layer a row's attention output, o and MLP feed nothing but its own final
+        state, so there they are computed for those rows alone, each as one query over its sequence up
+        to its position (every row's keys and values are written as always): for a prompt, 1/num_layers
+        of its o and MLP FLOPs."""
         assert input_ids.shape == positions.shape and input_ids.dim() == 1
         assert len(kv_caches) == len(self.layers)
         if self.stack is not None:
@@ -363,13 +386,17 @@ class CausalLM(nn.Module):
                 attn.block_tables,
                 attn.query_start_loc,
                 attn.context_lens,
+                output_rows,
             )
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope.lookup(positions)  # once for all layers
         h = self.layers[0].input_layernorm(x)
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms, strict=True):
-            h = layer(x, h, cos_sin, attn, kv_cache, next_norm)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache, next_norm) in enumerate(
+            zip(self.layers, kv_caches, next_norms, strict=True)
+        ):
+            h = layer(x, h, cos_sin, attn, kv_cache, next_norm, output_rows if i == last else None)
         return h
 
     @torch.inference_mode()

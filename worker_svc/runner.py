@@ -100,15 +100,16 @@ class ModelRunner:
         t1 = t2 = time.perf_counter()
         if batch is not None:
             input_ids, positions, attn = self._model_inputs(batch)
-            t1 = time.perf_counter()
-            hidden = self.model(input_ids, positions, attn, self._kv_layers)
             sample_idx, prompt_rows = self._logits_rows(batch)
             rows = np.concatenate([batch.query_start_loc[1:][sample_idx] - 1, *(r for _, r in prompt_rows)])
-            # Sample rows alone come in order; all of them (a decode step) are hidden itself.
-            if not prompt_rows and len(rows) == hidden.shape[0]:
-                logits = self.model.compute_logits(hidden)
-            else:
-                logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
+            # The model returns the final states of these rows alone; sample rows alone come in order, and
+            # all of them (a decode step) are every row.
+            output_rows = None
+            if prompt_rows or len(rows) != batch.num_tokens:
+                output_rows = torch.from_numpy(rows.astype(np.int64)).to(self.device)
+            t1 = time.perf_counter()
+            hidden = self.model(input_ids, positions, attn, self._kv_layers, output_rows)
+            logits = self.model.compute_logits(hidden)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             t2 = time.perf_counter()
