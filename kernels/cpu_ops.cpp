@@ -1096,8 +1096,18 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 // multiply-adds with one operand broadcast from K or V (no sums across lanes), and the online softmax
 // (running max and sum per query vector) is elementwise on those lanes.
 
-// Query vectors of one tiled task: the lanes of two registers.
+// Query vectors of one tiled task: the lanes of two registers (four on AVX2).
 constexpr int64_t kTileLanes = 32;
+// Where the caller leaves the choice to the build (min_tile_lanes < 0), a sequence of several queries takes
+// the tiled kernel from this many query vectors per kv head (see TILE_MIN_LANES in cpu_ops.py). On AVX2
+// (one layer of SmolLM2, bf16, 1 or 4 sequences after 300 or 2000 positions, tiled over the row kernel's
+// time): 6 rows (18 vectors) 0.93-1.24, 8 rows 0.57-1.03, 11 rows 0.81-1.15, 16 rows 0.73-0.98, 32 rows
+// 0.83-0.88.
+#if defined(__AVX512F__)
+constexpr int64_t kTileMinLanes = 16;
+#else
+constexpr int64_t kTileMinLanes = 32;
+#endif
 // Positions scored together (8 x 2 registers of scores), and value columns accumulated together.
 constexpr int64_t kTilePositions = 8, kTileColumns = 8;
 
@@ -1107,6 +1117,67 @@ struct QueryTile {
   int64_t seq, kv_head, row0, pos0, rows;
 };
 
+// A task's query rows and output rows, fetched while the task before it computes (claimed a task ahead:
+// the tasks go longest first, so their rows lie anywhere). Loaded cold, they and the copy-out took about
+// a fifth of the AVX-512 kernel's samples.
+template <typename T>
+void prefetch_tile(const AttentionArgs<T>& a, const QueryTile& t) {
+  const int64_t offset = t.kv_head * a.group * a.head_dim, bytes = a.group * a.head_dim * sizeof(T);
+  for (int64_t r = 0; r < t.rows; ++r) {
+    prefetch(a.q_ptr + (t.row0 + r) * a.q_stride + offset, bytes);
+    prefetch_write(a.out_ptr + (t.row0 + r) * a.out_stride + offset, bytes);
+  }
+}
+
+// Each of the kTileLanes lanes' query vector, output and last visible position; lanes past the task's
+// vectors repeat its last one (and are never stored). Returns the task's vectors.
+template <typename T>
+int64_t tile_lanes(const AttentionArgs<T>& a, const QueryTile& t, int32_t* limit, const T** lane_q,
+                   T** lane_out) {
+  const int64_t lanes = t.rows * a.group;
+  for (int64_t lane = 0; lane < kTileLanes; ++lane) {
+    const int64_t v = std::min(lane, lanes - 1), row = v / a.group;
+    const int64_t offset = (t.kv_head * a.group + v % a.group) * a.head_dim;
+    lane_q[lane] = a.q_ptr + (t.row0 + row) * a.q_stride + offset;
+    lane_out[lane] = a.out_ptr + (t.row0 + row) * a.out_stride + offset;
+    limit[lane] = static_cast<int32_t>(t.pos0 + row);
+  }
+  return lanes;
+}
+
+// Block `block`'s K and V rows of one kv head (slot_stride apart), on their way while the block before it
+// is computed: it lies anywhere in the pool.
+template <typename T>
+void prefetch_tile_block(const AttentionArgs<T>& a, int64_t block, int64_t kv_head) {
+  const int64_t at = block * a.block_size * a.slot_stride + kv_head * a.head_dim;
+  for (int64_t j = 0; j < a.block_size; ++j) {
+    prefetch(a.k_ptr + at + j * a.slot_stride, a.head_dim * sizeof(T));
+    prefetch(a.v_ptr + at + j * a.slot_stride, a.head_dim * sizeof(T));
+  }
+}
+
+// Calls visit(first position, positions, K rows, V rows) for each block of task t's sequence that its
+// rows see, in order, with the next one on its way (prefetch_tile_block). At a bad block table entry,
+// reports it and returns false.
+template <typename T, typename F>
+bool for_tile_blocks(const AttentionArgs<T>& a, const QueryTile& t, BadBlock& bad, F&& visit) {
+  const int64_t last = t.pos0 + t.rows - 1, used_blocks = last / a.block_size + 1;
+  const int32_t* table = a.tables + t.seq * a.table_stride;
+  for (int64_t b = 0; b < used_blocks; ++b) {
+    const int64_t block = table[b];
+    if (!a.valid_block(block, b)) {
+      bad.report(block);
+      return false;
+    }
+    const int64_t first = b * a.block_size, n = std::min(a.block_size, last + 1 - first);
+    if (b + 1 < used_blocks && a.valid_block(table[b + 1], b + 1))
+      prefetch_tile_block(a, table[b + 1], t.kv_head);
+    const int64_t at = block * a.block_size * a.slot_stride + t.kv_head * a.head_dim;
+    visit(first, n, a.k_ptr + at, a.v_ptr + at);
+  }
+  return true;
+}
+
 #if defined(__AVX512F__)
 template <typename T>
 void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -1114,7 +1185,6 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
                           at::Tensor& out) {
   const AttentionArgs<T> a(query, k_cache, v_cache, block_tables, scale, out);
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  const int64_t row_bytes = a.head_dim * static_cast<int64_t>(sizeof(T));
   const int threads = std::max(1, at::get_num_threads());
   BadBlock bad;
   std::atomic<int64_t> next_task{0};
@@ -1136,35 +1206,17 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         pp(kPairs ? max_pairs * kTileLanes : 0), vp(kPairs ? max_pairs * a.head_dim : 0);
     std::vector<float> qt(kPairs ? 0 : a.head_dim * kTileLanes), kb(kPairs ? 0 : a.block_size * a.head_dim),
         vb(kPairs ? 0 : a.block_size * a.head_dim), s(a.block_size * kTileLanes), ot(a.head_dim * kTileLanes);
-    // Tasks are handed out dynamically, and each thread claims its next one a task ahead: while it computes
-    // one, the next one's query rows (scattered: the tasks go longest first) and output rows are fetched.
-    // Loaded cold, they and the copy-out took about a fifth of the kernel's samples. 30 layers of a real
-    // model's prompts: 16 of 100-140 tokens 73.5 -> 64.3 ms, 6 of 200-480 119.7 -> 113.5 (and 121.9 ->
-    // 114.0).
+    // Tasks are handed out dynamically, and each thread claims its next one a task ahead (see
+    // prefetch_tile). 30 layers of a real model's prompts: 16 of 100-140 tokens 73.5 -> 64.3 ms, 6 of
+    // 200-480 119.7 -> 113.5 (and 121.9 -> 114.0).
     const auto claim = [&] { return next_task.fetch_add(1, std::memory_order_relaxed); };
     for (int64_t task = claim(), ahead = claim(); task < num_tasks; task = ahead, ahead = claim()) {
-      if (ahead < num_tasks) {
-        const QueryTile& n = tasks[ahead];
-        const int64_t offset = n.kv_head * a.group * a.head_dim, bytes = a.group * row_bytes;
-        for (int64_t r = 0; r < n.rows; ++r) {
-          prefetch(a.q_ptr + (n.row0 + r) * a.q_stride + offset, bytes);
-          prefetch_write(a.out_ptr + (n.row0 + r) * a.out_stride + offset, bytes);
-        }
-      }
+      if (ahead < num_tasks) prefetch_tile(a, tasks[ahead]);
       const QueryTile& t = tasks[task];
-      const int64_t lanes = t.rows * a.group, last = t.pos0 + t.rows - 1;
-      const int32_t* table = a.tables + t.seq * a.table_stride;
-      // Lanes past the task's vectors repeat its last one and are never stored.
       alignas(64) int32_t limit[kTileLanes];  // the last position each lane sees
       const T* lane_q[kTileLanes];            // each lane's query vector
       T* lane_out[kTileLanes];                // and its output
-      for (int64_t lane = 0; lane < kTileLanes; ++lane) {
-        const int64_t v = std::min(lane, lanes - 1), row = v / a.group;
-        const int64_t offset = (t.kv_head * a.group + v % a.group) * a.head_dim;
-        lane_q[lane] = a.q_ptr + (t.row0 + row) * a.q_stride + offset;
-        lane_out[lane] = a.out_ptr + (t.row0 + row) * a.out_stride + offset;
-        limit[lane] = static_cast<int32_t>(t.pos0 + row);
-      }
+      const int64_t lanes = tile_lanes(a, t, limit, lane_q, lane_out);
       if constexpr (kPairs) {  // bf16 pairs (d, d + 1) as one 32-bit lane; the scale goes on the scores
         if (a.head_dim % 32 == 0) {
           // 16 lanes x 16 pairs at a time, transposed in registers.
@@ -1190,27 +1242,8 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       __m512 max0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), max1 = max0;
       __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
 
-      const int64_t used_blocks = last / a.block_size + 1;
-      bool valid = true;
-      for (int64_t b = 0; b < used_blocks; ++b) {
-        const int64_t block = table[b];
-        if (!a.valid_block(block, b)) {
-          bad.report(block);
-          valid = false;
-          break;
-        }
-        const int64_t first = b * a.block_size, n = std::min(a.block_size, last + 1 - first);
-        const T* k_block = a.k_ptr + block * a.block_size * a.slot_stride + t.kv_head * a.head_dim;
-        const T* v_block = a.v_ptr + block * a.block_size * a.slot_stride + t.kv_head * a.head_dim;
-        // The next block's rows of this kv head, on their way while this one is computed (it lies
-        // anywhere in the pool, and its rows are slot_stride apart).
-        if (b + 1 < used_blocks && a.valid_block(table[b + 1], b + 1)) {
-          const int64_t next = table[b + 1] * a.block_size * a.slot_stride + t.kv_head * a.head_dim;
-          for (int64_t j = 0; j < a.block_size; ++j) {
-            prefetch(a.k_ptr + next + j * a.slot_stride, row_bytes);
-            prefetch(a.v_ptr + next + j * a.slot_stride, row_bytes);
-          }
-        }
+      // One block of the task's sequence (see for_tile_blocks).
+      const auto visit = [&](int64_t first, int64_t n, const T* k_block, const T* v_block) {
         if constexpr (!kPairs)
           for (int64_t j = 0; j < n; ++j) {
             load_row(k_block + j * a.slot_stride, &kb[j * a.head_dim], a.head_dim);
@@ -1355,8 +1388,8 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
             _mm512_storeu_ps(&ot[(d0 + c) * kTileLanes + 16], acc1[c]);
           }
         }
-      }
-      if (!valid) continue;
+      };
+      if (!for_tile_blocks(a, t, bad, visit)) continue;
       alignas(64) float inv[kTileLanes];
       _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum0));
       _mm512_store_ps(inv + 16, _mm512_div_ps(_mm512_set1_ps(1.f), sum1));
@@ -1388,6 +1421,244 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
   }
   bad.check(a.num_blocks);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+
+// The tiled kernel on AVX2, in float32 throughout (no bf16 dot product): each block's K and V rows are
+// widened into float32 rows once per task, and the scores and the weighted sums of V rows are small
+// matrix products whose lanes are query vectors, 16 at a time (two ymm; 8 for a task's last few): up to
+// kTileSteps positions (scores) or value columns (output) by 16 lanes are 12 sums, which with the two lane
+// registers and one broadcast fill 15 of the 16 registers. One layer of SmolLM2 (9 query heads of 64 over
+// 3 kv heads, bf16, 2 threads, a 2-core Zen 3), against the row kernel: a prompt of 2000 tokens 56.0 ->
+// 44.4 ms, 1000 tokens 14.7 -> 12.7, 4 of 500 14.2 -> 11.6, 8 of 250 7.6 -> 6.6, a chunk of 512 after 2488
+// cached 39.1 -> 30.1 ms.
+constexpr int kTileSteps = 6;
+
+// The scores of P positions (K rows at kb, head_dim floats apart) for the 8L lanes of qt (scaled queries,
+// qt[d * kTileLanes + lane]) into s[j * kTileLanes + lane]: where masked, positions past a lane's limit
+// are -inf; max[h] takes the scores in.
+template <int P, int L>
+void tile_scores_avx2(const float* qt, const float* kb, int64_t head_dim, const __m256i (&limit)[2],
+                      int32_t pos, bool masked, float* s, __m256 (&max)[2]) {
+  __m256 acc[P][L];
+#pragma GCC unroll 8
+  for (int j = 0; j < P; ++j)
+    for (int h = 0; h < L; ++h) acc[j][h] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; ++d) {
+    __m256 q[L];
+    for (int h = 0; h < L; ++h) q[h] = _mm256_loadu_ps(qt + d * kTileLanes + 8 * h);
+#pragma GCC unroll 8
+    for (int j = 0; j < P; ++j) {
+      const __m256 k = _mm256_broadcast_ss(kb + j * head_dim + d);
+      for (int h = 0; h < L; ++h) acc[j][h] = _mm256_fmadd_ps(q[h], k, acc[j][h]);
+    }
+  }
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+#pragma GCC unroll 8
+  for (int j = 0; j < P; ++j)
+    for (int h = 0; h < L; ++h) {
+      __m256 v = acc[j][h];
+      if (masked) {
+        const __m256i past = _mm256_cmpgt_epi32(_mm256_set1_epi32(pos + j), limit[h]);
+        v = _mm256_blendv_ps(v, ninf, _mm256_castsi256_ps(past));
+      }
+      _mm256_storeu_ps(s + j * kTileLanes + 8 * h, v);
+      max[h] = _mm256_max_ps(max[h], v);
+    }
+}
+
+// ot[c * kTileLanes + lane] for C value columns and the 8L lanes: alpha * ot + the sum over j < n of the
+// weights s[j * kTileLanes + lane] times V[j][c] (rows at vb, head_dim floats apart).
+template <int C, int L>
+void tile_values_avx2(const float* s, const float* vb, int64_t head_dim, int64_t n, const __m256 (&alpha)[2],
+                      float* ot) {
+  __m256 acc[C][L];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    for (int h = 0; h < L; ++h)
+      acc[c][h] = _mm256_mul_ps(_mm256_loadu_ps(ot + c * kTileLanes + 8 * h), alpha[h]);
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 p[L];
+    for (int h = 0; h < L; ++h) p[h] = _mm256_loadu_ps(s + j * kTileLanes + 8 * h);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m256 v = _mm256_broadcast_ss(vb + j * head_dim + c);
+      for (int h = 0; h < L; ++h) acc[c][h] = _mm256_fmadd_ps(p[h], v, acc[c][h]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    for (int h = 0; h < L; ++h) _mm256_storeu_ps(ot + c * kTileLanes + 8 * h, acc[c][h]);
+}
+
+using TileScoresFn = void (*)(const float*, const float*, int64_t, const __m256i (&)[2], int32_t, bool,
+                              float*, __m256 (&)[2]);
+using TileValuesFn = void (*)(const float*, const float*, int64_t, int64_t, const __m256 (&)[2], float*);
+template <int L, int... P>
+constexpr std::array<TileScoresFn, sizeof...(P)> tile_scores_table(std::integer_sequence<int, P...>) {
+  return {&tile_scores_avx2<P + 1, L>...};
+}
+template <int L, int... C>
+constexpr std::array<TileValuesFn, sizeof...(C)> tile_values_table(std::integer_sequence<int, C...>) {
+  return {&tile_values_avx2<C + 1, L>...};
+}
+// [lane registers - 1][positions or columns - 1]
+constexpr std::array<std::array<TileScoresFn, kTileSteps>, 2> kTileScores = {
+    tile_scores_table<1>(std::make_integer_sequence<int, kTileSteps>{}),
+    tile_scores_table<2>(std::make_integer_sequence<int, kTileSteps>{})};
+constexpr std::array<std::array<TileValuesFn, kTileSteps>, 2> kTileValues = {
+    tile_values_table<1>(std::make_integer_sequence<int, kTileSteps>{}),
+    tile_values_table<2>(std::make_integer_sequence<int, kTileSteps>{})};
+
+// Transposes 8 x 8 floats in registers (lane j of r[i] becomes lane i of r[j]).
+inline void transpose8x8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+template <typename T>
+void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const std::vector<QueryTile>& tasks, double scale,
+                          at::Tensor& out) {
+  const AttentionArgs<T> a(query, k_cache, v_cache, block_tables, scale, out);
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int threads = std::max(1, at::get_num_threads());
+  BadBlock bad;
+  std::atomic<int64_t> next_task{0};
+  // bf16 and float rows 8 at a time (load8, store8_bf16), transposed in registers, where a row is whole
+  // registers; else one value at a time.
+  constexpr bool kVectorRows = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>;
+  const bool vector_rows = kVectorRows && a.head_dim % 8 == 0;
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, num_tasks)))
+  {
+    // qt[d][lane] the scaled queries, kb, vb[j][d] one block's K and V rows, widened, s[j][lane] one block's
+    // scores (then weights), ot[d][lane] the unnormalised output.
+    std::vector<float> qt(a.head_dim * kTileLanes), kb(a.block_size * a.head_dim),
+        vb(a.block_size * a.head_dim), s(a.block_size * kTileLanes), ot(a.head_dim * kTileLanes);
+    const auto claim = [&] { return next_task.fetch_add(1, std::memory_order_relaxed); };
+    for (int64_t task = claim(), ahead = claim(); task < num_tasks; task = ahead, ahead = claim()) {
+      if (ahead < num_tasks) {
+        prefetch_tile(a, tasks[ahead]);
+        const int64_t first_block = a.tables[tasks[ahead].seq * a.table_stride];
+        if (a.valid_block(first_block, 0)) prefetch_tile_block(a, first_block, tasks[ahead].kv_head);
+      }
+      const QueryTile& t = tasks[task];
+      alignas(32) int32_t limit[kTileLanes];
+      const T* lane_q[kTileLanes];
+      T* lane_out[kTileLanes];
+      const int64_t lanes = tile_lanes(a, t, limit, lane_q, lane_out), halves = (lanes + 15) / 16;
+      if constexpr (kVectorRows) {
+        if (vector_rows) {
+          const __m256 fscale = _mm256_set1_ps(a.fscale);
+          for (int64_t g = 0; g < kTileLanes; g += 8)
+            for (int64_t d0 = 0; d0 < a.head_dim; d0 += 8) {
+              __m256 r[8];
+              for (int i = 0; i < 8; ++i) r[i] = load8(lane_q[g + i] + d0);
+              transpose8x8(r);
+              for (int i = 0; i < 8; ++i)
+                _mm256_storeu_ps(&qt[(d0 + i) * kTileLanes + g], _mm256_mul_ps(r[i], fscale));
+            }
+        }
+      }
+      if (!vector_rows)
+        for (int64_t lane = 0; lane < kTileLanes; ++lane)
+          for (int64_t d = 0; d < a.head_dim; ++d)
+            qt[d * kTileLanes + lane] = static_cast<float>(lane_q[lane][d]) * a.fscale;
+      // Per half of the lanes (16 each): the last positions they see, the running max and sum.
+      __m256i lim[2][2];
+      __m256 max[2][2], sum[2][2];
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 2; ++i) {
+          lim[h][i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(limit + 16 * h + 8 * i));
+          max[h][i] = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+          sum[h][i] = _mm256_setzero_ps();
+        }
+      std::fill(ot.begin(), ot.end(), 0.f);
+
+      // One block of the task's sequence (see for_tile_blocks).
+      const auto visit = [&](int64_t first, int64_t n, const T* k_block, const T* v_block) {
+        for (int64_t j = 0; j < n; ++j) {
+          load_row(k_block + j * a.slot_stride, &kb[j * a.head_dim], a.head_dim);
+          load_row(v_block + j * a.slot_stride, &vb[j * a.head_dim], a.head_dim);
+        }
+        // Positions a lane must not see become -inf (none can be in a block that ends by the first lane's
+        // position).
+        const bool masked = first + n - 1 > t.pos0;
+        for (int64_t h = 0; h < halves; ++h) {
+          const int regs = lanes - 16 * h > 8 ? 2 : 1;
+          // The block's scores, its positions in balanced parts (16 is 6 + 5 + 5), and the new max.
+          __m256 new_max[2] = {max[h][0], max[h][1]};
+          const int64_t parts = (n + kTileSteps - 1) / kTileSteps;
+          for (int64_t i = 0; i < parts; ++i) {
+            const int64_t j0 = n * i / parts, j1 = n * (i + 1) / parts;
+            kTileScores[regs - 1][j1 - j0 - 1](&qt[16 * h], &kb[j0 * a.head_dim], a.head_dim, lim[h],
+                                               static_cast<int32_t>(first + j0), masked,
+                                               &s[j0 * kTileLanes + 16 * h], new_max);
+          }
+          // Online softmax: the old output and sum rescaled by exp(old max - new max), the scores turned
+          // into weights exp(s - new max).
+          __m256 alpha[2];
+          for (int i = 0; i < regs; ++i) {
+            alpha[i] = exp256(_mm256_sub_ps(max[h][i], new_max[i]));
+            max[h][i] = new_max[i];
+            sum[h][i] = _mm256_mul_ps(sum[h][i], alpha[i]);
+            for (int64_t j = 0; j < n; ++j) {
+              float* at = &s[j * kTileLanes + 16 * h + 8 * i];
+              const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(at), new_max[i]));
+              _mm256_storeu_ps(at, p);
+              sum[h][i] = _mm256_add_ps(sum[h][i], p);
+            }
+          }
+          for (int64_t d0 = 0; d0 < a.head_dim; d0 += kTileSteps)
+            kTileValues[regs - 1][std::min<int64_t>(kTileSteps, a.head_dim - d0) - 1](
+                &s[16 * h], &vb[d0], a.head_dim, n, alpha, &ot[d0 * kTileLanes + 16 * h]);
+        }
+      };
+      if (!for_tile_blocks(a, t, bad, visit)) continue;
+      alignas(32) float inv[kTileLanes];
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 2; ++i)
+          _mm256_store_ps(inv + 16 * h + 8 * i, _mm256_div_ps(_mm256_set1_ps(1.f), sum[h][i]));
+      const int64_t head_dim = a.head_dim;  // a local: the stores below could alias a's fields
+      if constexpr (kVectorRows) {
+        if (vector_rows)
+          for (int64_t g = 0; g < lanes; g += 8) {
+            const __m256 scale = _mm256_load_ps(inv + g);
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 8) {
+              __m256 r[8];
+              for (int i = 0; i < 8; ++i)
+                r[i] = _mm256_mul_ps(_mm256_loadu_ps(&ot[(d0 + i) * kTileLanes + g]), scale);
+              transpose8x8(r);
+              for (int64_t j = 0; j < std::min<int64_t>(8, lanes - g); ++j) {
+                if constexpr (std::is_same_v<T, c10::BFloat16>)
+                  store8_bf16(lane_out[g + j] + d0, r[j]);  // rounded as c10 rounds
+                else
+                  _mm256_storeu_ps(lane_out[g + j] + d0, r[j]);
+              }
+            }
+          }
+      }
+      if (!vector_rows)
+        for (int64_t lane = 0; lane < lanes; ++lane) {
+          T* o = lane_out[lane];
+          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(ot[d * kTileLanes + lane] * inv[lane]);
+        }
+    }
+  }
+  bad.check(a.num_blocks);
+}
 #endif
 
 // query [T, Hq, D] (rows may be strided); k_cache, v_cache [num_blocks, block_size, Hkv, D];
@@ -1395,7 +1666,9 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 // Sequence s owns query rows query_start_loc[s] .. query_start_loc[s + 1], its last tokens; a token at
 // position p attends to positions 0 .. p. Decode is the case of one row per sequence. Writes the rows of
 // out [T, Hq, D] of every sequence except those with several queries and more than max_pairs
-// query-key pairs (none when max_pairs is negative); returns those, which are left to the caller.
+// query-key pairs (none when max_pairs is negative); returns those, which are left to the caller. A
+// sequence of several queries with at least min_tile_lanes query vectors per kv head takes the tiled
+// kernel where the build has one (kTileMinLanes when negative), the others the row kernel.
 std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                                       const at::Tensor& v_cache, const at::Tensor& block_tables,
                                       const at::Tensor& query_start_loc, const at::Tensor& context_lens,
@@ -1430,9 +1703,12 @@ std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, 
                 group = query.size(1) / num_kv_heads;
 #if defined(__AVX512F__)
   const bool can_tile = head_dim % 16 == 0 && group <= kTileLanes;
+#elif defined(__AVX2__) && defined(__FMA__)
+  const bool can_tile = group <= kTileLanes;
 #else
   const bool can_tile = false;
 #endif
+  if (min_tile_lanes < 0) min_tile_lanes = kTileMinLanes;
   std::vector<RowChunk> chunks;
   std::vector<QueryTile> tiles;
   std::vector<int64_t> skipped;
@@ -1470,7 +1746,7 @@ std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     if (!chunks.empty())
       paged_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, chunks, scale, out);
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if (!tiles.empty()) {
       // The longest first: tasks are handed out dynamically, and a late long one would run alone.
       std::stable_sort(tiles.begin(), tiles.end(), [](const QueryTile& a, const QueryTile& b) {

@@ -9,7 +9,7 @@ never loads code built for a different instruction set or source.
 What it replaces, and why: in stock PyTorch, attention gathers every sequence's K/V into dense tensors
 and widens them to float32 before two small batched matmuls, and each decoder layer runs about ninety
 small ops (RMSNorm alone is five). Here attention reads the paged cache in place (decode rows one by
-one; prompt chunks, on AVX-512, as tiled products with the bf16 dot-product instruction), and RMSNorm
+one; prompt chunks as tiled products, on AVX-512 with the bf16 dot-product instruction), and RMSNorm
 with its residual add, RoPE with the KV write, and SiLU with its product, are one pass each. On AVX-512
 BF16 it also has a linear layer, at least as fast as oneDNN at every batch size (model.PackedLinear),
 and on AVX2 with FMA one that widens the bf16 weights as it streams them; with either, DecoderStack runs
@@ -51,13 +51,15 @@ SOURCE = Path(__file__).resolve().parent / "cpu_ops.cpp"
 # RoPE); the kernels are bound by memory traffic, not by the extra add.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 # A sequence of several queries with at least this many query vectors per kv head (queries x the
-# group's query heads) takes the tiled kernel (AVX-512 builds, head sizes a multiple of 16), whose
-# tasks fill 32 lanes; fewer go through the row kernel. Measured on a 2-core AVX-512 machine, bf16,
-# SmolLM2 shapes (9 query heads of 64 over 3 kv heads), per layer, row kernel / tiled / SDPA in ms:
-# 2 queries after 298 cached 0.026 / 0.038; 4: 0.033 / 0.039; 8: 0.055 / 0.041; 26 after 672: 0.42 /
-# 0.20 / 0.88; whole prompts of 275 tokens 0.83 / 0.48 / 1.9, 500: 2.6 / 1.3 / 6.3, 1000: 11.4 / 4.7 /
-# 13.0, 2000: 39.8 / 18.1 / 41.8 (`bench/bench_kernels_cpu.py --prefill --dtype bfloat16`).
-TILE_MIN_LANES = 16
+# group's query heads) takes the tiled kernel (AVX-512 builds with head sizes a multiple of 16, and AVX2
+# builds), whose tasks fill 32 lanes; fewer go through the row kernel. -1: the build's own threshold,
+# 16 on AVX-512 and 32 on AVX2 (kTileMinLanes in cpu_ops.cpp, with the AVX2 numbers). Measured on a
+# 2-core AVX-512 machine, bf16, SmolLM2 shapes (9 query heads of 64 over 3 kv heads), per layer, row
+# kernel / tiled / SDPA in ms: 2 queries after 298 cached 0.026 / 0.038; 4: 0.033 / 0.039; 8: 0.055 /
+# 0.041; 26 after 672: 0.42 / 0.20 / 0.88; whole prompts of 275 tokens 0.83 / 0.48 / 1.9, 500: 2.6 /
+# 1.3 / 6.3, 1000: 11.4 / 4.7 / 13.0, 2000: 39.8 / 18.1 / 41.8 (`bench/bench_kernels_cpu.py --prefill
+# --dtype bfloat16`).
+TILE_MIN_LANES = -1
 # Where the tiled kernel cannot run, a sequence of several queries with more query-key pairs than this
 # goes through dense SDPA (reference.prefill_sequence) instead of the row kernel: very long prompts,
 # whose K/V blocks the row kernel reads once per eight rows (numbers above).
@@ -188,14 +190,13 @@ def decoder_stack(**shape: object) -> object:
     weights packed by its pack_linear_weight. `shape`: hidden, intermediate, num_heads, num_kv_heads,
     head_dim, eps, scale and final_norm; layers are added with add_layer (model.CausalLM builds it).
 
-    NOTE: its attention never hands a sequence to SDPA. On AVX-512 every prompt chunk of at least
-    TILE_MIN_LANES query vectors per kv head takes the tiled kernel, so this matters only for head sizes
-    that are not a multiple of 16 (or more than 32 query heads per kv head), whose long prompts then go
-    through the row kernel: slower there, not wrong. The released models of every supported family use
-    head sizes of 64 or 128. On AVX2 builds (no tiled kernel) every prompt takes the row kernel, which
-    there is as fast as SDPA up to 1000 tokens and 1.08x as slow at 2000 (one layer of SmolLM2 in bf16,
-    2 threads, a 2-core Zen 3: 500 tokens 4.8 against 9.7 ms, 1000: 27.6 against 26.7, 2000: 91.9
-    against 85.1)."""
+    NOTE: its attention never hands a sequence to SDPA. Every prompt chunk of at least TILE_MIN_LANES
+    query vectors per kv head takes the tiled kernel, so this matters only on AVX-512 for head sizes
+    that are not a multiple of 16, or for more than 32 query heads per kv head, whose long prompts then
+    go through the row kernel: slower there, not wrong. The released models of every supported family
+    use head sizes of 64 or 128. On AVX2 the row kernel was as fast as SDPA up to 1000 tokens and 1.08x
+    as slow at 2000, and the tiled kernel is faster than both (one layer of SmolLM2 in bf16, 2 threads,
+    a 2-core Zen 3: 2000 tokens 56.0 ms for the row kernel against 44.4 tiled)."""
     return load().DecoderStack(min_tile_lanes=TILE_MIN_LANES, **shape)
 
 

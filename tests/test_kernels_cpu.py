@@ -63,7 +63,8 @@ def test_decode_attention_matches_per_token_oracle(num_kv_heads, group, head_dim
 
 
 # Which path takes a sequence of several queries: the tiled kernel (from TILE_MIN_LANES query vectors per kv
-# head, on AVX-512), else SDPA (above SDPA_MIN_PAIRS query-key pairs), else the row kernel.
+# head, the build's own threshold as shipped; AVX-512 or AVX2), else SDPA (above SDPA_MIN_PAIRS query-key
+# pairs), else the row kernel.
 PATHS = [
     pytest.param(cpu_ops.TILE_MIN_LANES, cpu_ops.SDPA_MIN_PAIRS, id="as-shipped"),
     pytest.param(1, cpu_ops.SDPA_MIN_PAIRS, id="all-tiled"),
@@ -82,6 +83,17 @@ def test_mixed_prefill_batch_matches_per_token_oracle(
     monkeypatch.setattr(cpu_ops, "TILE_MIN_LANES", tile_min_lanes)
     monkeypatch.setattr(cpu_ops, "SDPA_MIN_PAIRS", sdpa_min_pairs)
     check_mixed_prefill_against_oracle(cpu_ops, num_kv_heads, group, head_dim, block_size, dtype)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype"), [(36, torch.bfloat16), (20, torch.float32), (64, torch.float16)]
+)
+def test_tiled_prefill_of_any_head_size_and_dtype_matches_oracle(monkeypatch, head_dim, dtype):
+    # The tiled kernel moves whole registers of a row where it can (bf16 and float32 rows a multiple of 8
+    # wide on AVX2) and one value at a time where it cannot; on AVX-512 head sizes that are not a multiple
+    # of 16 take the row kernel.
+    monkeypatch.setattr(cpu_ops, "TILE_MIN_LANES", 1)
+    check_mixed_prefill_against_oracle(cpu_ops, 2, 3, head_dim, 16, dtype)
 
 
 @pytest.mark.parametrize("threads", [2, 5])
