@@ -1597,7 +1597,7 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         // position).
         const bool masked = first + n - 1 > t.pos0;
         for (int64_t h = 0; h < halves; ++h) {
-          const int regs = lanes - 16 * h > 8 ? 2 : 1;
+          const int regs = lanes - 16 * h > 8 ? 2 : 1;  // of 8 lanes: one where the task's vectors end early
           // The block's scores, its positions in balanced parts (16 is 6 + 5 + 5), and the new max.
           __m256 new_max[2] = {max[h][0], max[h][1]};
           const int64_t parts = (n + kTileSteps - 1) / kTileSteps;
@@ -3043,6 +3043,8 @@ class DecoderStack {
                   "query_start_loc must be int32 [S + 1] and context_lens int32 [S]");
       const int32_t* start = starts_in.const_data_ptr<int32_t>();
       const int32_t* ctx = ctx_in.const_data_ptr<int32_t>();
+      TORCH_CHECK(start[0] == 0 && start[num_seqs] == num_tokens, "query_start_loc must run from 0 to ",
+                  num_tokens);
       const int64_t* row = rows.const_data_ptr<int64_t>();
       at::Tensor seqs = at::empty({count}, rows.options());
       lens = at::empty({count}, ctx_in.options());

@@ -310,6 +310,10 @@ def test_decoder_stack_refuses_token_ids_and_positions_outside_its_tables(tmp_pa
     ):
         with pytest.raises(RuntimeError, match=message):
             model.stack.forward_tokens(ids, positions, *tables, *caches, *attn)
+    # the rows to return (see CausalLM.forward) must be rows of the batch
+    for rows in (torch.tensor([1]), torch.tensor([-1])):
+        with pytest.raises(RuntimeError, match="outside the batch"):
+            model.stack.forward_tokens(ok, ok, *tables, *caches, *attn, output_rows=rows)
 
 
 def test_loader_refuses_pickle_checkpoints(tmp_path):

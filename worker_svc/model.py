@@ -269,8 +269,9 @@ class Attention(nn.Module):
         q = qk[:, : self.num_heads]
         if rows is not None:
             # Each row as one query over its sequence up to its own position: a decode batch.
-            seqs = torch.searchsorted(attn.query_start_loc, rows.to(torch.int32), right=True) - 1
-            lens = attn.context_lens[seqs] - (attn.query_start_loc[seqs + 1] - rows.to(torch.int32)) + 1
+            rows32 = rows.to(torch.int32)
+            seqs = torch.searchsorted(attn.query_start_loc, rows32, right=True) - 1
+            lens = attn.context_lens[seqs] - (attn.query_start_loc[seqs + 1] - rows32) + 1  # position + 1
             out = self.ops.paged_decode_attention(
                 q[rows], k_cache, v_cache, attn.block_tables[seqs], lens, self.scale
             )
