@@ -1178,6 +1178,21 @@ bool for_tile_blocks(const AttentionArgs<T>& a, const QueryTile& t, BadBlock& ba
   return true;
 }
 
+// Calls run(task) for the tasks this thread of a parallel region takes: handed out dynamically, each thread
+// claiming its next one a task ahead and fetching that one's rows meanwhile (prefetch_tile). 30 layers of a
+// real model's prompts on AVX-512: 16 of 100-140 tokens 73.5 -> 64.3 ms, 6 of 200-480 119.7 -> 113.5 (and
+// 121.9 -> 114.0).
+template <typename T, typename F>
+void for_tile_tasks(const AttentionArgs<T>& a, const std::vector<QueryTile>& tasks,
+                    std::atomic<int64_t>& next, F&& run) {
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const auto claim = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
+  for (int64_t task = claim(), ahead = claim(); task < num_tasks; task = ahead, ahead = claim()) {
+    if (ahead < num_tasks) prefetch_tile(a, tasks[ahead]);
+    run(tasks[task]);
+  }
+}
+
 #if defined(__AVX512F__)
 template <typename T>
 void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -1206,13 +1221,7 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         pp(kPairs ? max_pairs * kTileLanes : 0), vp(kPairs ? max_pairs * a.head_dim : 0);
     std::vector<float> qt(kPairs ? 0 : a.head_dim * kTileLanes), kb(kPairs ? 0 : a.block_size * a.head_dim),
         vb(kPairs ? 0 : a.block_size * a.head_dim), s(a.block_size * kTileLanes), ot(a.head_dim * kTileLanes);
-    // Tasks are handed out dynamically, and each thread claims its next one a task ahead (see
-    // prefetch_tile). 30 layers of a real model's prompts: 16 of 100-140 tokens 73.5 -> 64.3 ms, 6 of
-    // 200-480 119.7 -> 113.5 (and 121.9 -> 114.0).
-    const auto claim = [&] { return next_task.fetch_add(1, std::memory_order_relaxed); };
-    for (int64_t task = claim(), ahead = claim(); task < num_tasks; task = ahead, ahead = claim()) {
-      if (ahead < num_tasks) prefetch_tile(a, tasks[ahead]);
-      const QueryTile& t = tasks[task];
+    for_tile_tasks(a, tasks, next_task, [&](const QueryTile& t) {
       alignas(64) int32_t limit[kTileLanes];  // the last position each lane sees
       const T* lane_q[kTileLanes];            // each lane's query vector
       T* lane_out[kTileLanes];                // and its output
@@ -1389,7 +1398,7 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
           }
         }
       };
-      if (!for_tile_blocks(a, t, bad, visit)) continue;
+      if (!for_tile_blocks(a, t, bad, visit)) return;
       alignas(64) float inv[kTileLanes];
       _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum0));
       _mm512_store_ps(inv + 16, _mm512_div_ps(_mm512_set1_ps(1.f), sum1));
@@ -1417,7 +1426,7 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
           for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(ot[d * kTileLanes + lane] * inv[lane]);
         }
       }
-    }
+    });
   }
   bad.check(a.num_blocks);
 }
@@ -1547,14 +1556,7 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
     // scores (then weights), ot[d][lane] the unnormalised output.
     std::vector<float> qt(a.head_dim * kTileLanes), kb(a.block_size * a.head_dim),
         vb(a.block_size * a.head_dim), s(a.block_size * kTileLanes), ot(a.head_dim * kTileLanes);
-    const auto claim = [&] { return next_task.fetch_add(1, std::memory_order_relaxed); };
-    for (int64_t task = claim(), ahead = claim(); task < num_tasks; task = ahead, ahead = claim()) {
-      if (ahead < num_tasks) {
-        prefetch_tile(a, tasks[ahead]);
-        const int64_t first_block = a.tables[tasks[ahead].seq * a.table_stride];
-        if (a.valid_block(first_block, 0)) prefetch_tile_block(a, first_block, tasks[ahead].kv_head);
-      }
-      const QueryTile& t = tasks[task];
+    for_tile_tasks(a, tasks, next_task, [&](const QueryTile& t) {
       alignas(32) int32_t limit[kTileLanes];
       const T* lane_q[kTileLanes];
       T* lane_out[kTileLanes];
@@ -1626,7 +1628,7 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
                 &s[16 * h], &vb[d0], a.head_dim, n, alpha, &ot[d0 * kTileLanes + 16 * h]);
         }
       };
-      if (!for_tile_blocks(a, t, bad, visit)) continue;
+      if (!for_tile_blocks(a, t, bad, visit)) return;
       alignas(32) float inv[kTileLanes];
       for (int h = 0; h < 2; ++h)
         for (int i = 0; i < 2; ++i)
@@ -1655,7 +1657,7 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
           T* o = lane_out[lane];
           for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(ot[d * kTileLanes + lane] * inv[lane]);
         }
-    }
+    });
   }
   bad.check(a.num_blocks);
 }
@@ -2960,17 +2962,16 @@ class DecoderStack {
                       rms_norm(qk.narrow(1, num_heads_, num_kv_heads_), *layer.k_norm, eps_)},
                      1);
       rotary_write_kv_(qk, v, cos, sin, k_cache, v_cache, slot_mapping);
-      if (i + 1 == num_layers && out_rows.has_value())
-        return last_layer_rows(x, qk, k_cache, v_cache, *out_rows);
-      at::Tensor attn = at::empty({t, num_heads_, head_dim_}, x.options());
-      // max_pairs -1: every sequence is computed here (the row and tiled kernels serve any length).
-      paged_attention_(attn, qk.narrow(1, 0, num_heads_), k_cache, v_cache, block_tables, query_start_loc,
-                       context_lens, scale_, -1, min_tile_lanes_);
-      h = add_rms_norm_(x, linear(attn.view({t, q_size}), layer.o, hidden_, layer.o_bias),
-                        layer.post_attention_norm, eps_);
-      const at::Tensor act = linear_silu(h, layer.gate_up, intermediate_, layer.gate_up_bias);
+      const at::Tensor q = qk.narrow(1, 0, num_heads_);
+      if (i + 1 == num_layers && out_rows.has_value()) {  // only the output rows go on (see OutputRows)
+        at::Tensor xr = x.index_select(0, out_rows->rows);
+        if (xr.size(0) == 0) return xr;
+        return attend_and_mlp(xr, q.index_select(0, out_rows->rows), layer, k_cache, v_cache,
+                              out_rows->tables, out_rows->starts, out_rows->lens, final_norm_);
+      }
       const at::Tensor& next_norm = i + 1 < num_layers ? layers_[i + 1].input_norm : final_norm_;
-      h = add_rms_norm_(x, linear(act, layer.down, hidden_, layer.down_bias), next_norm, eps_);
+      h = attend_and_mlp(x, q, layer, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                         next_norm);
     }
     return h;
   }
@@ -3061,23 +3062,23 @@ class DecoderStack {
     }
   };
 
-  // The last layer's attention output, o and MLP for the output rows (x and qk hold every row, qk rotated
-  // and its K and V written); returns their final norm, [R, hidden].
-  at::Tensor last_layer_rows(const at::Tensor& x, const at::Tensor& qk, const at::Tensor& k_cache,
-                             const at::Tensor& v_cache, const OutputRows& out) const {
-    const StackLayer& layer = layers_.back();
-    const int64_t count = out.rows.numel();
-    at::Tensor xr = x.index_select(0, out.rows);
-    if (count == 0) return xr;
-    const at::Tensor q = qk.narrow(1, 0, num_heads_).index_select(0, out.rows);
-    at::Tensor attn = at::empty({count, num_heads_, head_dim_}, x.options());
-    paged_attention_(attn, q, k_cache, v_cache, out.tables, out.starts, out.lens, scale_, -1,
+  // A layer from its rotated queries q [R, num_heads, head_dim] on: attention over its caches with the given
+  // metadata, o, the residual add into x (R rows, updated in place) with the post-attention norm, the MLP,
+  // and the residual add with next_norm (the next layer's input norm or the final one), which it returns.
+  at::Tensor attend_and_mlp(at::Tensor& x, const at::Tensor& q, const StackLayer& layer,
+                            const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                            const at::Tensor& context_lens, const at::Tensor& next_norm) const {
+    const int64_t rows = q.size(0);
+    at::Tensor attn = at::empty({rows, num_heads_, head_dim_}, x.options());
+    // max_pairs -1: every sequence is computed here (the row and tiled kernels serve any length).
+    paged_attention_(attn, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale_, -1,
                      min_tile_lanes_);
     const at::Tensor h =
-        add_rms_norm_(xr, linear(attn.view({count, num_heads_ * head_dim_}), layer.o, hidden_, layer.o_bias),
+        add_rms_norm_(x, linear(attn.view({rows, num_heads_ * head_dim_}), layer.o, hidden_, layer.o_bias),
                       layer.post_attention_norm, eps_);
     const at::Tensor act = linear_silu(h, layer.gate_up, intermediate_, layer.gate_up_bias);
-    return add_rms_norm_(xr, linear(act, layer.down, hidden_, layer.down_bias), final_norm_, eps_);
+    return add_rms_norm_(x, linear(act, layer.down, hidden_, layer.down_bias), next_norm, eps_);
   }
 
   static void check_packed(const at::Tensor& packed, int64_t n, int64_t k, const char* name) {

@@ -275,8 +275,7 @@ class Attention(nn.Module):
             out = self.ops.paged_decode_attention(
                 q[rows], k_cache, v_cache, attn.block_tables[seqs], lens, self.scale
             )
-            return self.o_proj(out.reshape(rows.shape[0], self.q_size))
-        if attn.max_query_len == 1:
+        elif attn.max_query_len == 1:
             assert t == attn.context_lens.shape[0], "a decode batch has exactly one row per sequence"
             out = self.ops.paged_decode_attention(
                 q, k_cache, v_cache, attn.block_tables, attn.context_lens, self.scale
@@ -285,7 +284,7 @@ class Attention(nn.Module):
             out = self.ops.paged_prefill_attention(
                 q, k_cache, v_cache, attn.block_tables, attn.query_start_loc, attn.context_lens, self.scale
             )
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.o_proj(out.reshape(out.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
