@@ -363,9 +363,15 @@ inline void group_scores_avx2(const float* q, int64_t size, const R* rows, int64
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = _mm256_setzero_ps();
     for (int64_t d = 0; d < size; d += 8) {
-      __m256 qv[G];
-#pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) qv[g] = _mm256_loadu_ps(q + g * size + d);
+      // The G query chunks held in registers for the 4 rows: left to itself GCC folds them into the
+      // multiply-adds as memory operands, 4G loads beside the rows' 4 instead of G, more than the two
+      // load ports keep up with. One layer of SmolLM2's attention, one row over 2048 positions,
+      // alternating (four pairs): 78.0 -> 74.4 us with the caches in L1, 101.5 -> 97.0 us from memory.
+      __m256 q0 = _mm256_loadu_ps(q + d), q1 = q0, q2 = q0;
+      if constexpr (G > 1) q1 = _mm256_loadu_ps(q + size + d);
+      if constexpr (G > 2) q2 = _mm256_loadu_ps(q + 2 * size + d);
+      asm("" : "+x"(q0), "+x"(q1), "+x"(q2));
+      const __m256 qv[3] = {q0, q1, q2};
 #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) {
         const __m256 k = load8(r + p * stride + d);
@@ -423,20 +429,30 @@ inline float exp_shifted_sum(float* s, int64_t n, float* max_out = nullptr) {
 #endif
   for (; i < n; ++i) max = std::max(max, s[i]);
   if (max_out != nullptr) *max_out = max;
-  for (int64_t p = 0; p < n; ++p) s[p] -= max;
-  exp_inplace(s, n);
+  // exp(s - max), stored and summed in one pass (the same bits as subtracting, exp_inplace and summing,
+  // three passes: one row over 2048 positions as above, 74.4 -> 70.6 us in L1, 97.0 -> 93.0 from memory).
   i = 0;
 #if defined(__AVX512F__)
   __m512 vsum = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) vsum = _mm512_add_ps(vsum, _mm512_loadu_ps(s + i));
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(max)));
+    _mm512_storeu_ps(s + i, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
   sum = _mm512_reduce_add_ps(vsum);
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 vsum = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) vsum = _mm256_add_ps(vsum, _mm256_loadu_ps(s + i));
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(max)));
+    _mm256_storeu_ps(s + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
   const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
   sum = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 #endif
+  for (int64_t p = i; p < n; ++p) s[p] -= max;
+  exp_inplace(s + i, n - i);
   for (; i < n; ++i) sum += s[i];
   return sum;
 }
