@@ -15,7 +15,10 @@ Systems:
       (transformers 5.x), used through its context manager so that each request gets its own
       max_new_tokens (generate_batch takes one for all); "unavailable: reason" when it fails.
   (c) pagedserve through the offline `LLM` API: the server's own scheduler and worker code in process.
-They run in the order (a), (c), (b): see the note in main on what (b) leaves behind.
+They run in the order (a), (c), (b): see the note in main on what (b) leaves behind. With --rounds R,
+(a) at its best batch size and (c) run R times in all, alternating before (b) (pagedserve's prefix cache
+reset before each run); each system's row is its fastest run, and every round's ratio is printed: the
+speed of a shared machine drifts over the minutes of a run, and one pair of runs may fall on either side.
 
 Next to the table: the workload's FLOPs (every non-embedding weight matrix once per computed token,
 the LM head once per output token, attention 4*layers*heads*head_dim*context per token) and the
@@ -23,7 +26,7 @@ fraction of this machine's matmul FLOP/s achieved (bench_worker's measure_matmul
 the runs: the higher of the two).
 
     .venv/bin/python bench/compare_transformers.py [--num-requests 64] [--hf-batch-sizes 4,8,16,32,64]
-        [--skip-hf-cb] [--dtype auto] [--hf-dtype float32] [--threads N] [--model default]
+        [--skip-hf-cb] [--rounds 1] [--dtype auto] [--hf-dtype float32] [--threads N] [--model default]
 
 Prints a table and writes bench/results/compare_transformers.{json,png}.
 """
@@ -31,11 +34,12 @@ Prints a table and writes bench/results/compare_transformers.{json,png}.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -205,6 +209,7 @@ def run_pagedserve(llm, work: list[Work]) -> SystemResult:
 
     params = [SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True) for w in work]
     res = SystemResult("pagedserve LLM (offline)")
+    before = llm.scheduler.stats()
     start = time.perf_counter()
     outs = llm.generate([w.prompt_ids for w in work], params, use_tqdm=True)
     res.elapsed_s = time.perf_counter() - start
@@ -212,11 +217,18 @@ def run_pagedserve(llm, work: list[Work]) -> SystemResult:
     res.output_tokens = res.computed_output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert res.output_tokens == sum(w.output_len for w in work)
     stats = llm.scheduler.stats()
-    res.detail = {"num_preemptions": stats.num_preemptions, "num_steps": stats.num_steps}
+    res.detail = {
+        "num_preemptions": stats.num_preemptions - before.num_preemptions,
+        "num_steps": stats.num_steps - before.num_steps,
+    }
     return res
 
 
 # ---------------------------------------------------------------------------------------- report
+
+
+def tokens_per_s(r: SystemResult) -> float:
+    return r.output_tokens / r.elapsed_s
 
 
 def summarize(r: SystemResult, n: int, flops: float, machine_flops: float, baseline: float | None) -> dict:
@@ -306,12 +318,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hf-cb-timeout", type=float, default=300.0, help="s without progress before giving up"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of (a) at its best batch size and of (c), alternating after the sweep: each system's "
+        "fastest is its row, and every round's ratio is printed (a shared machine's speed drifts)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS / "compare_transformers")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     prompt_range = tuple(int(x) for x in args.prompt_len.split(","))
     output_range = tuple(int(x) for x in args.output_len.split(","))
 
@@ -352,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     results: list[SystemResult] = []
-    static_runs: list[SystemResult] = []
+    static_runs: list[SystemResult] = []  # the sweep over batch sizes
+    static_rounds: list[SystemResult] = []  # the best batch size's runs: the sweep's, then one a round
+    best_batch = None
     if not args.skip_hf_static:
         if args.hf_batch_sizes:
             batch_sizes = [int(x) for x in args.hf_batch_sizes.split(",")]
@@ -360,17 +383,28 @@ def main(argv: list[str] | None = None) -> int:
             batch_sizes = default_batch_sizes(len(work))
         for b in batch_sizes:
             static_runs.append(run_hf_static(hf, work, b, pad_id, args.hf_sort))
-        best = max(static_runs, key=lambda r: r.output_tokens / r.elapsed_s)
-        best.name = f"(a) transformers static, best B={best.name.split('=')[1]}"
-        results.append(best)
+        best_index = max(range(len(batch_sizes)), key=lambda i: tokens_per_s(static_runs[i]))
+        best_batch = batch_sizes[best_index]
+        static_rounds.append(static_runs[best_index])
     # NOTE: pagedserve runs before transformers' continuous batching, whose run leaves this machine slow
     # for a while after it (about 3.6 million page faults in a 24-request run; nothing of the process is
     # busy afterwards). 24 requests in one process, pagedserve's output tokens/s: 277-284 before it and
     # 275-276 just after the static runs; just after it 172, then 266 and 268, and 285 after a 20 s pause.
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
-    ours = run_pagedserve(llm, work)
-    ours.name = "(c) " + ours.name
+    our_rounds = [run_pagedserve(llm, work)]
+    for r in range(2, args.rounds + 1):
+        print(f"round {r} of {args.rounds}", flush=True)
+        if best_batch is not None:
+            static_rounds.append(run_hf_static(hf, work, best_batch, pad_id, args.hf_sort))
+        llm.reset_prefix_cache()  # the same prompts again: computed again, not served from the cache
+        our_rounds.append(run_pagedserve(llm, work))
     del llm
+    if static_rounds:
+        best = max(static_rounds, key=tokens_per_s)
+        best = replace(best, name=f"(a) transformers static, best B={best_batch}")
+        results.append(best)
+    ours = max(our_rounds, key=tokens_per_s)
+    ours = replace(ours, name="(c) " + ours.name)
     if not args.skip_hf_cb:
         results.append(run_hf_continuous(hf, work, args.hf_cb_timeout))
         results[-1].name = "(b) " + results[-1].name
@@ -381,10 +415,15 @@ def main(argv: list[str] | None = None) -> int:
     measured_flops = [machine_flops, measure_matmul_flops(dtype)]
     machine_flops = max(measured_flops)
 
-    baseline = None
-    if static_runs:
-        best = max(static_runs, key=lambda r: r.output_tokens / r.elapsed_s)
-        baseline = best.output_tokens / best.elapsed_s
+    baseline = max(map(tokens_per_s, static_rounds)) if static_rounds else None
+    rounds = [
+        {
+            "static_output_tokens_per_s": tokens_per_s(a) if a else None,
+            "pagedserve_output_tokens_per_s": tokens_per_s(c),
+            "ratio": tokens_per_s(c) / tokens_per_s(a) if a else None,
+        }
+        for a, c in itertools.zip_longest(static_rounds, our_rounds)
+    ]
     rows = [summarize(r, len(work), flops, machine_flops, baseline) for r in results]
     static_rows = [summarize(r, len(work), flops, machine_flops, baseline) for r in static_runs]
     print()
@@ -396,6 +435,13 @@ def main(argv: list[str] | None = None) -> int:
             + "):"
         )
         print_table(static_rows)
+    if args.rounds > 1:
+        print(f"\nrounds, output tokens/s, (a) at B={best_batch} then (c) (the first: the sweep's run of B):")
+        for i, r in enumerate(rounds, 1):
+            static = f"{r['static_output_tokens_per_s']:.1f}" if r["ratio"] else "-"
+            ratio = f" ({r['ratio']:.2f}x)" if r["ratio"] else ""
+            print(f"  {i}: {static} / {r['pagedserve_output_tokens_per_s']:.1f}{ratio}")
+        print("each system's row above is its fastest round")
     print(
         f"\nworkload {flops / 1e12:.2f} TFLOP; 'of peak' = achieved FLOP/s / measured matmul "
         f"{machine_flops / 1e9:.0f} GFLOP/s (the higher of {measured_flops[0] / 1e9:.0f} before the runs "
@@ -422,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine_matmul_flops_before_after": measured_flops,
         "systems": rows,
         "hf_static_by_batch_size": static_rows,
+        "rounds": rounds,
     }
     json_path = args.out.with_suffix(".json")
     json_path.write_text(json.dumps(summary, indent=2) + "\n")
@@ -430,8 +477,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{str(hf_dtype).removeprefix('torch.')}, {torch.get_num_threads()} CPU thread(s)\n{len(work)} requests, "
         f"prompts {prompt_range[0]}-{prompt_range[1]} tokens, outputs {output_range[0]}-{output_range[1]} tokens"
     )
+    # The other batch sizes beside the rows (the best one is row (a)).
     plot(
-        rows + [r for r in static_rows if r["system"] not in {x["system"] for x in rows}],
+        rows + [r for r in static_rows if r["system"] != f"transformers static B={best_batch}"],
         args.out.with_suffix(".png"),
         title,
     )

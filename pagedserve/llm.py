@@ -221,6 +221,12 @@ class LLM:
             inputs.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._run(inputs, sampling_params, use_tqdm)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's LLM.reset_prefix_cache: the next generate computes
+        every prompt token again (a benchmark that runs one workload twice measures the same work).
+        True; between generate calls no request holds a block."""
+        return self.scheduler.reset_prefix_cache()
+
     # ------------------------------------------------------------------ the loop
 
     def _encode(self, prompt: str | Sequence[int] | dict) -> tuple[str | None, list[int]]:

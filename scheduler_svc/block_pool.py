@@ -86,6 +86,14 @@ class BlockPool:
                 else:
                     self._free.append(block)
 
+    def evict_all(self) -> int:
+        """Evict every evictable cached block into the free list; return how many."""
+        n = 0
+        while self.evictor is not None and self.evictor.num_evictable:
+            self._free.append(self.evictor.evict())
+            n += 1
+        return n
+
     def free_block_ids(self) -> list[int]:
         """The uncached free blocks, in hand-out order (for tests and invariant checks)."""
         return list(self._free)

@@ -147,6 +147,17 @@ class KVCacheManager:
         req.cache_node = node
         req.num_cached_blocks = i
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, its blocks becoming plain free blocks (as vLLM's
+        reset_prefix_cache, for benchmarks that run one workload again, or after new weights): only
+        when no block table holds a cached block. False, and nothing changes, while one does."""
+        if self.cache is None:
+            return True
+        if self.cache.num_evictable != self.cache.num_cached_blocks:
+            return False
+        self.pool.evict_all()
+        return True
+
     def fork(self, parent: Request, child: Request) -> None:
         """child shares every block of parent, the partly filled last one included."""
         child.block_table = list(parent.block_table)

@@ -219,6 +219,10 @@ class Scheduler:
             heir.status = RequestStatus.WAITING
             bisect.insort(self.waiting, heir, key=_sort_key)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changes) while a request holds cached blocks."""
+        return self.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 

@@ -119,3 +119,16 @@ def test_chat_answers_the_capital_of_france(llm):
     outs = llm.chat(messages, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     assert "Paris" in outs[0].outputs[0].text
     assert outs[0].outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_reset_prefix_cache_makes_the_next_run_compute_every_prompt_token(llm):
+    prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 6)  # several full blocks
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first = llm.generate([prompt], sp, use_tqdm=False)[0]
+    again = llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 32
+    assert llm.reset_prefix_cache()
+    fresh = llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0
+    assert fresh.outputs[0].token_ids == again.outputs[0].token_ids == first.outputs[0].token_ids

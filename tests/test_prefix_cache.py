@@ -107,6 +107,27 @@ def test_hit_reuses_blocks_of_a_finished_request_and_counts_tokens():
     d.run()
 
 
+def test_reset_forgets_every_cached_prefix_once_no_request_holds_one():
+    s = _scheduler()
+    d = Driver(s, check=lambda: check_invariants(s))
+    prompt = list(range(20, 37))
+    s.add_request(make_request("a", prompt, max_tokens=3))
+    d.step()  # a holds its 4 full prompt blocks, cached
+    cached = s.kv.cache.num_cached_blocks
+    assert cached == 4 and not s.reset_prefix_cache()
+    assert s.kv.cache.num_cached_blocks == cached  # refused: nothing changed
+    d.run()
+    assert s.reset_prefix_cache()
+    check_invariants(s)
+    assert s.kv.cache.num_cached_blocks == s.kv.cache.num_evictable == 0
+    assert s.kv.pool.num_uncached_free_blocks == s.config.num_blocks
+    s.add_request(make_request("b", prompt, max_tokens=3))
+    out = d.step()
+    assert out.num_scheduled_tokens == [len(prompt)] and s.stats().prefix_cache_hits == 0
+    d.run()
+    assert d.logs[("b", 0)].tokens == d.logs[("a", 0)].tokens
+
+
 def test_generated_tokens_fill_blocks_that_later_requests_hit():
     s = _scheduler()
     d = Driver(s, check=lambda: check_invariants(s))
