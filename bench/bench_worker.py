@@ -8,6 +8,10 @@ each measurement two ceilings:
 - compute: the measured matrix-multiply rate (FLOP/s, same dtype) over the model's FLOPs per token;
 - memory: streaming the weights once per step at the measured copy bandwidth, shared by the batch.
 
+A shared machine's memory bandwidth drifts by a third from minute to minute, so the copy that sets a
+cell's memory ceiling is measured in the cell's own seconds: a copy of 256 MB before every step, the
+median of those against the median step (the bandwidth measured at the start is printed too).
+
 The read bandwidth (a sum over a large tensor) is printed next to the copy's: the weights are only
 read, and on some machines a copy, which counts its reads and its writes, measures more than a read.
 
@@ -70,6 +74,20 @@ def measure_copy_bandwidth(num_bytes: int = 512 * 1024 * 1024, repeats: int = 5)
     src = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     return 2 * num_bytes / best_seconds(lambda: dst.copy_(src), repeats)
+
+
+class CopyProbe:
+    """One timed copy of num_bytes at a time (read + write counted once each), between a cell's steps."""
+
+    def __init__(self, num_bytes: int = 256 * 1024 * 1024):
+        self.src = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)  # the pages touched before the first timed copy
+
+    def sample(self) -> float:
+        t = time.perf_counter()
+        self.dst.copy_(self.src)
+        return 2 * self.src.numel() * 4 / (time.perf_counter() - t)
 
 
 def measure_read_bandwidth(num_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> float:
@@ -157,32 +175,36 @@ def main(argv: list[str] | None = None) -> int:
     read_bandwidth = measure_read_bandwidth()
     wbytes = weight_bytes(model)
     print(
-        f"matmul {flops / 1e9:.0f} GFLOP/s, copy {bandwidth / 1e9:.1f} GB/s (the memory ceiling's), "
+        f"matmul {flops / 1e9:.0f} GFLOP/s, copy {bandwidth / 1e9:.1f} GB/s at the start, "
         f"read {read_bandwidth / 1e9:.1f} GB/s, weights {wbytes / 1e6:.0f} MB ({cfg.num_layers} layers)"
     )
 
     cells = [(b, c) for c in contexts for b in batches if b * (c + args.steps + 1) <= MAX_POOL_TOKENS]
     skipped = [(b, c) for c in contexts for b in batches if (b, c) not in cells]
     rows = []
+    probe = CopyProbe()
     for batch, context in tqdm(cells, desc="decode cells", unit="cell"):
         blocks_per_seq = -(-(context + args.steps + 1) // args.block_size)
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, dtype)
         runner = ModelRunner(model, KVCache(spec, batch * blocks_per_seq, device), context + args.steps + 2)
-        times = []
+        times, copies = [], []
         for plan in decode_plans(batch, context, args.block_size, cfg.vocab_size, args.steps + 1):
+            copies.append(probe.sample())
             t = time.perf_counter()
             runner.execute(plan)
             times.append(time.perf_counter() - t)
         step = statistics.median(times[2:])  # the first steps warm up allocators and caches
+        cell_bandwidth = statistics.median(copies[2:])
         tokens_per_s = batch / step
         compute_ceiling = flops / flops_per_token(model, context)
-        memory_ceiling = batch * bandwidth / wbytes
+        memory_ceiling = batch * cell_bandwidth / wbytes
         ceiling = min(compute_ceiling, memory_ceiling)
         rows.append(
             {
                 "batch": batch,
                 "context": context,
                 "step_ms": step * 1e3,
+                "copy_bandwidth": cell_bandwidth,
                 "tokens_per_s": tokens_per_s,
                 "ceiling_tokens_per_s": ceiling,
                 "compute_ceiling": compute_ceiling,
@@ -194,14 +216,17 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(
-        f"{'batch':>6} {'context':>8} {'step ms':>9} {'tok/s':>9} {'ceiling':>9} {'bound':>7} {'of ceiling':>11}"
+        f"{'batch':>6} {'context':>8} {'step ms':>9} {'tok/s':>9} {'copy GB/s':>10} {'ceiling':>9} {'bound':>7} "
+        f"{'of ceiling':>11}"
     )
     for r in rows:
         bound = "compute" if r["compute_ceiling"] < r["memory_ceiling"] else "memory"
         print(
             f"{r['batch']:>6} {r['context']:>8} {r['step_ms']:>9.1f} {r['tokens_per_s']:>9.1f} "
-            f"{r['ceiling_tokens_per_s']:>9.1f} {bound:>7} {r['fraction_of_ceiling']:>10.0%}"
+            f"{r['copy_bandwidth'] / 1e9:>10.1f} {r['ceiling_tokens_per_s']:>9.1f} {bound:>7} "
+            f"{r['fraction_of_ceiling']:>10.0%}"
         )
+    print("copy GB/s: the median of a copy before each of the cell's steps, which sets its memory ceiling")
     if skipped:
         print(f"skipped (KV pool over {MAX_POOL_TOKENS} tokens): {skipped}")
 
