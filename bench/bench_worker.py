@@ -118,6 +118,13 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for name, p in params if not (skip and name.startswith(skip)))
 
 
+def kv_bytes(model, batch: int, context: int) -> int:
+    """Bytes of K and V a decode step reads besides the weights (which the memory ceiling leaves out)."""
+    cfg = model.config
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
+    return batch * context * per_token
+
+
 def decode_plans(batch: int, context: int, block_size: int, vocab: int, steps: int):
     """Step 1 adds B requests whose first C-1 tokens are cached and computes token C-1 (a 1-token
     step, like a decode); the following steps are plain decodes, each growing the context by one."""
@@ -205,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 "context": context,
                 "step_ms": step * 1e3,
                 "copy_bandwidth": cell_bandwidth,
+                "kv_bytes": kv_bytes(model, batch, context),
                 "tokens_per_s": tokens_per_s,
                 "ceiling_tokens_per_s": ceiling,
                 "compute_ceiling": compute_ceiling,
@@ -216,17 +224,20 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(
-        f"{'batch':>6} {'context':>8} {'step ms':>9} {'tok/s':>9} {'copy GB/s':>10} {'ceiling':>9} {'bound':>7} "
-        f"{'of ceiling':>11}"
+        f"{'batch':>6} {'context':>8} {'step ms':>9} {'tok/s':>9} {'copy GB/s':>10} {'KV MB':>7} {'ceiling':>9} "
+        f"{'bound':>7} {'of ceiling':>11}"
     )
     for r in rows:
         bound = "compute" if r["compute_ceiling"] < r["memory_ceiling"] else "memory"
         print(
             f"{r['batch']:>6} {r['context']:>8} {r['step_ms']:>9.1f} {r['tokens_per_s']:>9.1f} "
-            f"{r['copy_bandwidth'] / 1e9:>10.1f} {r['ceiling_tokens_per_s']:>9.1f} {bound:>7} "
+            f"{r['copy_bandwidth'] / 1e9:>10.1f} {r['kv_bytes'] / 1e6:>7.0f} {r['ceiling_tokens_per_s']:>9.1f} {bound:>7} "
             f"{r['fraction_of_ceiling']:>10.0%}"
         )
-    print("copy GB/s: the median of a copy before each of the cell's steps, which sets its memory ceiling")
+    print(
+        "copy GB/s: the median of a copy before each of the cell's steps, which sets its memory ceiling; "
+        "KV MB: the K and V a step reads besides the weights (not in the ceiling)"
+    )
     if skipped:
         print(f"skipped (KV pool over {MAX_POOL_TOKENS} tokens): {skipped}")
 
