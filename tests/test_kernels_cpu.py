@@ -372,8 +372,9 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
     # pass over each block of the weight, more in several; past 120 rows (four passes) a group of rows
     # through all blocks, then the next (250 rows: nine chunks of 27-28, in groups of 111, 111 and 28).
     # On AVX2: one row as four runs side by side and two rows as two, then one block at a time (960
-    # columns: 30 blocks a thread, 7 in each of four runs and 2 left); up to 4 rows a pass; from 32 rows
-    # each block widened to float32 once, then passes of 5-6 rows; a group of rows at a time, 96 up to
+    # columns: 30 blocks a thread, 7 in each of four runs and 2 left); below 32 rows passes of 6, then of
+    # up to 4 (7 rows: 6 + 1, 16: 6 + 6 + 4, 26: four of 6 + 2, 30: five of 6); from 32 rows each block
+    # widened to float32 once, then passes of 5-6 rows; a group of rows at a time, 96 up to
     # K = 768 and 48 past it, their blocks handed to the threads one at a time (64 rows of K = 96: one
     # group; 128 of K = 64: 96 over widened blocks, then 32; 250: 96, 96 and 58; 60 of K = 1000: 48, then 12
     # in passes of 4; 97 and 98 of K = 96: 96, then the last row as four runs, the last two as two).
@@ -396,11 +397,12 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
     ("rows", "n", "k", "bias"), [(40, 200, 96, True), (100, 64, 1536, False), (100, 48, 96, True)]
 )
 def test_avx2_linear_gives_a_row_the_same_bits_in_any_pass_of_3_to_6_rows(rows, n, k, bias):
-    # Passes of 3 and 4 rows widening the weights as they go, and from 32 rows passes of 5 and 6 over a
-    # block widened once, run the same float32 FMAs in k order: in any of them a row's result is the same
-    # (groups of 96 rows up to K = 768, of 48 past it, and what is left: 100 rows are 96 + 4 and 48 + 48 +
-    # 4). A pass of 1 or 2 rows (alone, or the last of 5, 6, 9, 10 ... rows below 32) runs interleaved sets
-    # of sums, another order. So that any other order shows, x holds +2^40 and -2^40 against equal weights
+    # Passes of 3, 4 and 6 rows widening the weights as they go (6: each half of a line in turn), and from
+    # 32 rows passes of 5 and 6 over a block widened once, run the same float32 FMAs in k order: in any of
+    # them a row's result is the same (below 32 rows passes of 6, then of up to 4: 10 rows are 6 + 4, 24
+    # four of 6; groups of 96 rows up to K = 768, of 48 past it, and what is left: 100 rows are 96 + 4 and
+    # 48 + 48 + 4). A pass of 1 or 2 rows (alone, or the last of 7, 8, 11, 13, 14 ... rows below 32) runs
+    # interleaved sets of sums, another order. So that any other order shows, x holds +2^40 and -2^40 against equal weights
     # at k/3 and 2k/3: in k order the sum up to 2k/3 vanishes (absorbed, then cancelled) and only the terms
     # after it are left.
     gen = torch.Generator().manual_seed(rows + n + k)
@@ -412,7 +414,7 @@ def test_avx2_linear_gives_a_row_the_same_bits_in_any_pass_of_3_to_6_rows(rows, 
     kernels = cpu_ops.linear_kernels()
     packed = kernels.pack_linear_weight(weight)
     whole = kernels.linear(x, packed, n, b)
-    for start, size in [(0, 3), (3, 4), (7, 4), (4, 32), (rows - 3, 3)]:
+    for start, size in [(0, 3), (3, 4), (7, 4), (1, 6), (5, 10), (13, 24), (4, 32), (rows - 3, 3)]:
         part = kernels.linear(x[start : start + size], packed, n, b)
         assert torch.equal(part, whole[start : start + size]), (start, size)
 
