@@ -2542,7 +2542,7 @@ void block_kernel_avx2(const at::BFloat16* w, const float* x, int64_t ldx, int64
 // widening. Alone, with the block in cache, the 6-row pass ran 90 GFLOP/s a core, the 4-row pass that
 // widens as it goes 70, bare FMAs 99.5 (2-core Zen 3). Below 32 rows the widening pass, which the FMAs do
 // not hide, costs more than it saves: at 6-16 rows single calls took up to 1.9x as long. The sums are the
-// FMAs of the 3- and 4-row passes (U = 1), in the same k order.
+// FMAs of the 3-, 4- and 6-row passes (U = 1), in the same k order.
 constexpr int kAvx2WideMinRows = 32;
 constexpr int kAvx2WideMaxRows = 6;  // 12 ymm sums + 2 weights + 1 broadcast: 15 of 16 registers
 
@@ -2598,7 +2598,8 @@ void wide_kernel_avx2(const float* wide, const float* x, int64_t ldx, int64_t k,
 // The 30 layers' linears and the LM head of SmolLM2 (2-core Zen 3, weights from memory, alternating, four
 // pairs, ms on average): 6 rows 16.28 -> 14.87, 12 rows 25.45 -> 23.31, 16 rows (6 + 6 + 4) 32.84 -> 31.20,
 // 24 rows 47.88 -> 43.94; 5-13 rows otherwise within noise. At 5 rows GCC kept one of the sums on the stack
-// (slower than 4 + 1), so the rows of a block go in passes of 6 and the rest in passes of up to 4.
+// (slower than 4 + 1), so the rows of a block go in passes of 6 and the rest in passes of up to 4; 7 rows as
+// 6 + 1 ran about 5 % slower than 4 + 3, and go as 4 + 3.
 template <int ROWS>
 void block_kernel_halves_avx2(const at::BFloat16* w, const float* x, int64_t ldx, int64_t pairs,
                               const float* bias, at::BFloat16* y, int64_t ldy, int64_t cols,
@@ -2751,7 +2752,7 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
       for (int64_t c = 0; bias != nullptr && c < cols; ++c)
         bias_f32[c] = static_cast<float>(bias[j * kBlock + c]);
     };
-    // Block j for the rows g0 .. g0 + rows - 1 (of xf) in passes of up to 4 rows, which widen it as they go;
+    // Block j for the rows g0 .. g0 + rows - 1 (of xf) in passes of up to 6 rows, which widen it as they go;
     // dir is -1 where the blocks are taken back to front (the block before is fetched instead of the next).
     const auto block_passes = [&](int64_t j, int64_t g0, int64_t rows, int64_t dir = 1) {
       int64_t cols;
