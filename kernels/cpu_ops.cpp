@@ -2769,7 +2769,7 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
             i < sixes ? i * kAvx2HalvesRows : sixes * kAvx2HalvesRows + rest * (i - sixes) / rest_passes;
         const int64_t chunk =
             i < sixes ? kAvx2HalvesRows : sixes * kAvx2HalvesRows + rest * (i - sixes + 1) / rest_passes - r0;
-        // One pass streams its block kPrefetchBytes ahead. Several (5-31 rows: a decode batch) fetch the
+        // One pass streams its block kPrefetchBytes ahead. Several (5 or 7-31 rows: a decode batch) fetch the
         // next block instead, each pass a 1/passes share of it, so that memory works while they compute;
         // before, the first pass over a block waited on memory and the others on the FMAs. Single calls
         // at 8 rows, GFLOP/s, before -> after (2-core Zen 3, weights from memory, two runs): qkv 135 ->
