@@ -779,11 +779,13 @@ constexpr size_t kKeptScores = 64 * 1024;
 // threads) runs 2 against 1. A part yields a partial softmax (its max, its sum of exp(score - max) and its
 // weighted sum of V rows), and the parts are merged after, as flash-decoding does. One sequence on 2
 // threads, the attention of one layer with the caches cold, heads split against parts: 1024 positions
-// 63.0 -> 53.6 us and 57.5 -> 48.2 us, 2048 positions 99.2 -> 80.4 us and 96.8 -> 87.1 us. Shorter
-// contexts measured no better split (512 positions: 0.85x, 0.95x and 1.09x in three runs; 300: 1.01x to
-// 1.24x), and with as many chunks as threads the tasks keep every thread busy already (13 sequences of 350
-// positions, whole decode steps: 1.03-1.06x as long split): those compute as before.
-constexpr int64_t kMinPartBlocks = 32;
+// 63.0 -> 53.6 us and 57.5 -> 48.2 us, 2048 positions 99.2 -> 80.4 us and 96.8 -> 87.1 us. From 16 blocks
+// on (2-core Zen 3, 30 layers' caches, alternating builds, medians of 300 rounds): 256 positions 1.00x and
+// 0.89x as long split, 300 0.95x, 384 0.90x, 512 0.85-0.88x, 768 0.65-0.74x; at 128 and 192 positions, split
+// into parts of 8 blocks or fewer, 1.12-1.13x. With as many chunks as threads the tasks keep every thread
+// busy already (13 sequences of 350 positions, whole decode steps: 1.03-1.06x as long split): those compute
+// as before.
+constexpr int64_t kMinPartBlocks = 8;
 
 inline int64_t context_parts(int64_t used_blocks, int64_t num_chunks, int64_t threads) {
   if (num_chunks >= threads) return 1;
@@ -1676,33 +1678,28 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 }
 #endif
 
-// query [T, Hq, D] (rows may be strided); k_cache, v_cache [num_blocks, block_size, Hkv, D];
-// block_tables int32 [S, max_blocks]; query_start_loc int32 [S + 1]; context_lens int32 [S].
-// Sequence s owns query rows query_start_loc[s] .. query_start_loc[s + 1], its last tokens; a token at
-// position p attends to positions 0 .. p. Decode is the case of one row per sequence. Writes the rows of
-// out [T, Hq, D] of every sequence except those with several queries and more than max_pairs
-// query-key pairs (none when max_pairs is negative); returns those, which are left to the caller. A
-// sequence of several queries with at least min_tile_lanes query vectors per kv head takes the tiled
-// kernel where the build has one (kTileMinLanes when negative), the others the row kernel.
-std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
-                                      const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                                      double scale, int64_t max_pairs, int64_t min_tile_lanes) {
-  check_cache(k_cache, v_cache);
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
-              "query must be [num_tokens, num_heads, head_dim] with contiguous heads");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query dtype ", query.scalar_type(),
-              " != cache dtype ", k_cache.scalar_type());
-  TORCH_CHECK(query.size(2) == k_cache.size(3), "query head_dim ", query.size(2), " != cache head_dim ",
-              k_cache.size(3));
-  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads ", query.size(1),
+// How paged_attention_ computes a batch: its sequences' row chunks (the row kernel) and query tiles (the
+// tiled kernel), and the sequences it leaves to the caller. It depends on the batch's metadata and the
+// cache's shape alone, so a decoder computes it once for all its layers (see DecoderStack).
+struct AttentionPlan {
+  std::vector<RowChunk> chunks;
+  std::vector<QueryTile> tiles;  // the longest first
+  std::vector<int64_t> skipped;
+};
+
+// The plan of paged_attention_ for num_tokens query rows of num_heads heads against caches shaped like
+// k_cache, with every check of the metadata.
+AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Tensor& k_cache,
+                             const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                             const at::Tensor& context_lens, int64_t max_pairs, int64_t min_tile_lanes) {
+  TORCH_CHECK(num_heads % k_cache.size(2) == 0, "num_heads ", num_heads,
               " is not a multiple of num_kv_heads ", k_cache.size(2));
   TORCH_CHECK(
       block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
       "block_tables must be int32 [num_seqs, max_blocks]");
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "query_start_loc and context_lens must be int32");
-  const int64_t num_seqs = context_lens.numel(), num_tokens = query.size(0);
+  const int64_t num_seqs = context_lens.numel();
   TORCH_CHECK(query_start_loc.numel() == num_seqs + 1 && block_tables.size(0) == num_seqs,
               "query_start_loc, context_lens and block_tables disagree on the number of sequences");
   const at::Tensor starts = query_start_loc.contiguous(), lens = context_lens.contiguous();
@@ -1711,23 +1708,20 @@ std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, 
   TORCH_CHECK(start[0] == 0 && start[num_seqs] == num_tokens, "query_start_loc must run from 0 to ",
               num_tokens);
   const int64_t max_ctx = block_tables.size(1) * k_cache.size(1);
-  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() && out.scalar_type() == query.scalar_type(),
-              "out must be a contiguous tensor shaped and typed like query");
   const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t head_dim = query.size(2), num_kv_heads = k_cache.size(2),
-                group = query.size(1) / num_kv_heads;
+  const int64_t head_dim = k_cache.size(3), group = num_heads / k_cache.size(2);
 #if defined(__AVX512F__)
   const bool can_tile = head_dim % 16 == 0 && group <= kTileLanes;
 #elif defined(__AVX2__) && defined(__FMA__)
   const bool can_tile = group <= kTileLanes;
+  (void)head_dim;
 #else
   const bool can_tile = false;
+  (void)head_dim;
 #endif
   if (min_tile_lanes < 0) min_tile_lanes = kTileMinLanes;
-  std::vector<RowChunk> chunks;
-  std::vector<QueryTile> tiles;
-  std::vector<int64_t> skipped;
-  chunks.reserve(num_tokens);
+  AttentionPlan plan;
+  plan.chunks.reserve(num_tokens);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = start[s + 1] - start[s];
     TORCH_CHECK(q_len >= 0 && q_len <= ctx[s], "sequence ", s, ": ", q_len, " queries but context length ",
@@ -1740,13 +1734,13 @@ std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, 
       const int64_t per_task = kTileLanes / group, num_row_tiles = (q_len + per_task - 1) / per_task;
       const int64_t rows = (q_len + num_row_tiles - 1) / num_row_tiles;
       for (int64_t i = 0; i < q_len; i += rows)
-        for (int64_t h = 0; h < num_kv_heads; ++h)
-          tiles.push_back({s, h, start[s] + i, ctx[s] - q_len + i, std::min(rows, q_len - i)});
+        for (int64_t h = 0; h < k_cache.size(2); ++h)
+          plan.tiles.push_back({s, h, start[s] + i, ctx[s] - q_len + i, std::min(rows, q_len - i)});
       continue;
     }
     const int64_t pairs = q_len * ctx[s] - q_len * (q_len - 1) / 2;
     if (max_pairs >= 0 && q_len > 1 && pairs > max_pairs) {
-      skipped.push_back(s);
+      plan.skipped.push_back(s);
       continue;
     }
     if (q_len == 0) continue;
@@ -1756,22 +1750,59 @@ std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, 
     if (q_len >= threads) num_row_chunks = (num_row_chunks + threads - 1) / threads * threads;
     const int64_t rows = (q_len + num_row_chunks - 1) / num_row_chunks;
     for (int64_t i = 0; i < q_len; i += rows)
-      chunks.push_back({s, start[s] + i, ctx[s] - q_len + i, std::min(rows, q_len - i)});
+      plan.chunks.push_back({s, start[s] + i, ctx[s] - q_len + i, std::min(rows, q_len - i)});
   }
+  // The longest first: tasks are handed out dynamically, and a late long one would run alone.
+  std::stable_sort(plan.tiles.begin(), plan.tiles.end(),
+                   [](const QueryTile& a, const QueryTile& b) { return a.pos0 + a.rows > b.pos0 + b.rows; });
+  return plan;
+}
+
+// The checks of paged_attention_'s tensors (its metadata is plan_attention's).
+void check_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache) {
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be [num_tokens, num_heads, head_dim] with contiguous heads");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query dtype ", query.scalar_type(),
+              " != cache dtype ", k_cache.scalar_type());
+  TORCH_CHECK(query.size(2) == k_cache.size(3), "query head_dim ", query.size(2), " != cache head_dim ",
+              k_cache.size(3));
+  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() && out.scalar_type() == query.scalar_type(),
+              "out must be a contiguous tensor shaped and typed like query");
+}
+
+// A plan's chunks and tiles computed into out (the tensors checked by check_attention).
+void run_attention(const AttentionPlan& plan, at::Tensor& out, const at::Tensor& query,
+                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                   double scale) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    if (!chunks.empty())
-      paged_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, chunks, scale, out);
+    if (!plan.chunks.empty())
+      paged_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, plan.chunks, scale, out);
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    if (!tiles.empty()) {
-      // The longest first: tasks are handed out dynamically, and a late long one would run alone.
-      std::stable_sort(tiles.begin(), tiles.end(), [](const QueryTile& a, const QueryTile& b) {
-        return a.pos0 + a.rows > b.pos0 + b.rows;
-      });
-      tiled_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, tiles, scale, out);
-    }
+    if (!plan.tiles.empty())
+      tiled_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, plan.tiles, scale, out);
 #endif
   });
-  return skipped;
+}
+
+// query [T, Hq, D] (rows may be strided); k_cache, v_cache [num_blocks, block_size, Hkv, D];
+// block_tables int32 [S, max_blocks]; query_start_loc int32 [S + 1]; context_lens int32 [S].
+// Sequence s owns query rows query_start_loc[s] .. query_start_loc[s + 1], its last tokens; a token at
+// position p attends to positions 0 .. p. Decode is the case of one row per sequence. Writes the rows of
+// out [T, Hq, D] of every sequence except those with several queries and more than max_pairs
+// query-key pairs (none when max_pairs is negative); returns those, which are left to the caller. A
+// sequence of several queries with at least min_tile_lanes query vectors per kv head takes the tiled
+// kernel where the build has one (kTileMinLanes when negative), the others the row kernel.
+std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                                      double scale, int64_t max_pairs, int64_t min_tile_lanes) {
+  check_attention(out, query, k_cache, v_cache);
+  AttentionPlan plan = plan_attention(query.size(0), query.size(1), k_cache, block_tables, query_start_loc,
+                                      context_lens, max_pairs, min_tile_lanes);
+  run_attention(plan, out, query, k_cache, v_cache, block_tables, scale);
+  return std::move(plan.skipped);
 }
 
 // ---- fused pointwise ops --------------------------------------------------------------------------------
@@ -2887,6 +2918,21 @@ void check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
               "bias must be bf16 [", n, "]");
 }
 
+// y [m, n] (rows ldy apart) = x [m, 2 * pairs] (rows ldx apart) @ W^T + bias, for the W that
+// pack_linear_weight packed: linear's kernel on buffers the caller owns (DecoderStack's).
+void linear_to(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat16* w, int64_t pairs, int64_t n,
+               const at::BFloat16* bias, at::BFloat16* y, int64_t ldy) {
+  if (m == 0) return;
+#if defined(__AVX512BF16__)
+  linear_avx512(x, ldx, m, w, pairs, n, bias, y, ldy);
+#elif defined(__AVX2__) && defined(__FMA__)
+  linear_avx2(x, ldx, m, w, pairs, n, bias, y, ldy);
+#else
+  (void)x, (void)ldx, (void)w, (void)pairs, (void)n, (void)bias, (void)y, (void)ldy;
+  TORCH_CHECK(false, "this build has no linear: it needs AVX-512 BF16 or AVX2 with FMA (see has_linear)");
+#endif
+}
+
 // y = x @ W^T + bias for the W that pack_linear_weight packed; n is W's N (the packed copy is padded).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                   const c10::optional<at::Tensor>& bias) {
@@ -2900,60 +2946,62 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
   at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0) return y.view(out_shape);
-#if defined(__AVX512BF16__)
-  linear_avx512(x2.const_data_ptr<at::BFloat16>(), x2.stride(0), m, packed.const_data_ptr<at::BFloat16>(),
-                pairs, n, bias.has_value() ? bias->const_data_ptr<at::BFloat16>() : nullptr,
-                y.mutable_data_ptr<at::BFloat16>(), y.stride(0));
-#elif defined(__AVX2__) && defined(__FMA__)
-  linear_avx2(x2.const_data_ptr<at::BFloat16>(), x2.stride(0), m, packed.const_data_ptr<at::BFloat16>(),
-              pairs, n, bias.has_value() ? bias->const_data_ptr<at::BFloat16>() : nullptr,
-              y.mutable_data_ptr<at::BFloat16>(), y.stride(0));
-#else
-  TORCH_CHECK(false, "this build has no linear: it needs AVX-512 BF16 or AVX2 with FMA (see has_linear)");
-#endif
+  linear_to(x2.const_data_ptr<at::BFloat16>(), x2.stride(0), m, packed.const_data_ptr<at::BFloat16>(), pairs,
+            n, bias.has_value() ? bias->const_data_ptr<at::BFloat16>() : nullptr,
+            y.mutable_data_ptr<at::BFloat16>(), y.stride(0));
   return y.view(out_shape);
 }
 
-// silu_mul(linear(x, packed, 2 * size, bias)): in one pass where linear_silu_avx512 applies (size a
-// multiple of kBlock, K even, more rows than linear_avx512 streams as runs side by side), or on AVX2 for
-// the rows through the float32 copy (size a multiple of kBlock, K even), else the two calls. The same bits
+// Of m rows of x [m, k], how many linear_silu_to computes in one pass (linear_silu_avx512, or on AVX2 the
+// rows through the float32 copy): size a multiple of kBlock and K even, on AVX-512 more rows than
+// linear_avx512 streams as runs side by side. The others go through linear then silu_mul. The same bits
 // either way.
+int64_t silu_fused_rows(int64_t m, int64_t k, int64_t size) {
+  if (size % kBlock != 0 || k % 2 != 0) return 0;
+#if defined(__AVX512BF16__)
+  return m > kTwoStreamRows ? m : 0;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return avx2_wide_rows(m, k);
+#else
+  (void)m;
+  return 0;
+#endif
+}
+
+// out [m, size] (rows ld_out apart) = silu_mul(x @ W^T + bias) for a gate_up W of N = 2 * size (gate first)
+// and x [m, 2 * pairs] contiguous. scratch: room for the [m - silu_fused_rows, 2 * size] products of the rows
+// not fused.
+void linear_silu_to(const at::BFloat16* x, int64_t m, const at::BFloat16* w, int64_t pairs, int64_t size,
+                    const at::BFloat16* bias, at::BFloat16* out, int64_t ld_out, at::BFloat16* scratch) {
+  const int64_t k = 2 * pairs, fused = silu_fused_rows(m, k, size);
+  if (fused > 0) {
+#if defined(__AVX512BF16__)
+    linear_silu_avx512(x, k, fused, w, pairs, size, bias, out, ld_out);
+#elif defined(__AVX2__) && defined(__FMA__)
+    linear_avx2(x, k, fused, w, pairs, 2 * size, bias, out, ld_out, true);
+#endif
+  }
+  if (fused == m) return;
+  linear_to(x + fused * k, k, m - fused, w, pairs, 2 * size, bias, scratch, 2 * size);
+  silu_mul_impl<at::BFloat16>(scratch, 2 * size, out + fused * ld_out, m - fused, size);
+}
+
+// silu_mul(linear(x, packed, 2 * size, bias)), in one pass where it can be (see silu_fused_rows).
 at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t size,
                        const c10::optional<at::Tensor>& bias) {
   check_linear(x, packed, 2 * size, bias);
-#if defined(__AVX512BF16__)
   const int64_t k = x.size(-1), m = x.numel() / std::max<int64_t>(1, k);
-  if (size % kBlock == 0 && k % 2 == 0 && m > kTwoStreamRows) {
-    const at::Tensor x2 = x.reshape({m, k}).contiguous();
-    std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-    out_shape.back() = size;
-    at::Tensor out = at::empty(out_shape, x.options());
-    linear_silu_avx512(x2.const_data_ptr<at::BFloat16>(), k, m, packed.const_data_ptr<at::BFloat16>(),
-                       packed.size(1), size,
-                       bias.has_value() ? bias->const_data_ptr<at::BFloat16>() : nullptr,
-                       out.mutable_data_ptr<at::BFloat16>(), size);
-    return out;
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  // The rows through the float32 copy in one pass (see linear_avx2), a short last group as two calls.
-  const int64_t k = x.size(-1), m = x.numel() / std::max<int64_t>(1, k);
-  const int64_t wide_rows = k % 2 == 0 ? avx2_wide_rows(m, k) : 0;
-  if (size % kBlock == 0 && wide_rows > 0) {
-    const at::Tensor x2 = x.reshape({m, k}).contiguous();
-    at::Tensor out = at::empty({m, size}, x.options());
-    linear_avx2(x2.const_data_ptr<at::BFloat16>(), k, wide_rows, packed.const_data_ptr<at::BFloat16>(),
-                packed.size(1), 2 * size, bias.has_value() ? bias->const_data_ptr<at::BFloat16>() : nullptr,
-                out.mutable_data_ptr<at::BFloat16>(), size, true);
-    if (wide_rows < m)
-      out.narrow(0, wide_rows, m - wide_rows)
-          .copy_(silu_mul(linear(x2.narrow(0, wide_rows, m - wide_rows), packed, 2 * size, bias)));
-    std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-    out_shape.back() = size;
-    return out.view(out_shape);
-  }
-#endif
-  return silu_mul(linear(x, packed, 2 * size, bias));
+  const int64_t fused = silu_fused_rows(m, k, size);
+  if (fused == 0) return silu_mul(linear(x, packed, 2 * size, bias));
+  const at::Tensor x2 = x.reshape({m, k}).contiguous();
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = size;
+  at::Tensor out = at::empty(out_shape, x.options());
+  at::Tensor scratch = at::empty({m - fused, 2 * size}, x.options());
+  linear_silu_to(x2.const_data_ptr<at::BFloat16>(), m, packed.const_data_ptr<at::BFloat16>(), packed.size(1),
+                 size, bias.has_value() ? bias->const_data_ptr<at::BFloat16>() : nullptr,
+                 out.mutable_data_ptr<at::BFloat16>(), size, scratch.mutable_data_ptr<at::BFloat16>());
+  return out;
 }
 
 bool has_linear() {
@@ -2973,6 +3021,15 @@ bool has_linear() {
 // same order as model.CausalLM.forward (but for linear_silu, which is its gate_up linear then silu_mul
 // in one pass), so it computes the same bits. The model runs every step through it where the kernels
 // have their linear.
+//
+// Inside, a layer makes no tensors: the kernels run on pointers into buffers the stack keeps (linear_to,
+// linear_silu_to, rms_norm_impl), the tensors' checks and the attention's plan are made once per forward
+// pass, and the views the attention and RoPE kernels take are made once too. Each torch op (an empty, a
+// view, a reshape, a dispatch) costs microseconds there, as the weights streamed since the last one have
+// pushed PyTorch's own data out of the caches, and the other thread waits meanwhile: the 30 layers' ops
+// around the kernels took 0.88-1.14 ms of a single sequence's decode step, 0.20-0.28 ms since (2-core Zen
+// 3, SmolLM2, timed inside the extension); whole steps, alternating builds, 0.94-0.96x as long at 128 to
+// 2048 positions.
 
 struct StackLayer {
   at::Tensor qkv, o, gate_up, down;  // packed by pack_linear_weight
@@ -2980,6 +3037,10 @@ struct StackLayer {
   at::Tensor input_norm, post_attention_norm;
   c10::optional<at::Tensor> q_norm, k_norm;  // per-head RMSNorm of q and k (qwen3)
 };
+
+const at::BFloat16* bf16_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->const_data_ptr<at::BFloat16>() : nullptr;
+}
 
 class DecoderStack {
  public:
@@ -2990,12 +3051,17 @@ class DecoderStack {
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
+        q_size_(num_heads * head_dim),
+        kv_size_(num_kv_heads * head_dim),
         eps_(eps),
         scale_(scale),
         min_tile_lanes_(min_tile_lanes),
         final_norm_(std::move(final_norm)) {
     TORCH_CHECK(has_linear(), "DecoderStack needs the kernels' linear (see has_linear)");
     TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+    // linear_to reads x in whole pairs; every released model's sizes are even.
+    TORCH_CHECK(hidden % 2 == 0 && intermediate % 2 == 0 && head_dim % 2 == 0,
+                "DecoderStack needs even hidden, intermediate and head sizes");
     check_norm(final_norm_, hidden_, "final_norm");
   }
 
@@ -3004,11 +3070,10 @@ class DecoderStack {
                  at::Tensor down, c10::optional<at::Tensor> down_bias, at::Tensor input_norm,
                  at::Tensor post_attention_norm, c10::optional<at::Tensor> q_norm,
                  c10::optional<at::Tensor> k_norm) {
-    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    check_packed(qkv, q_size + 2 * kv_size, hidden_, "qkv");
-    check_packed(o, hidden_, q_size, "o");
-    check_packed(gate_up, 2 * intermediate_, hidden_, "gate_up");
-    check_packed(down, hidden_, intermediate_, "down");
+    check_packed(qkv, qkv_bias, q_size_ + 2 * kv_size_, hidden_, "qkv");
+    check_packed(o, o_bias, hidden_, q_size_, "o");
+    check_packed(gate_up, gate_up_bias, 2 * intermediate_, hidden_, "gate_up");
+    check_packed(down, down_bias, hidden_, intermediate_, "down");
     check_norm(input_norm, hidden_, "input_norm");
     check_norm(post_attention_norm, hidden_, "post_attention_norm");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
@@ -3020,55 +3085,6 @@ class DecoderStack {
                        std::move(o_bias), std::move(gate_up_bias), std::move(down_bias),
                        std::move(input_norm), std::move(post_attention_norm), std::move(q_norm),
                        std::move(k_norm)});
-  }
-
-  // x [T, hidden] is the embedded batch, the residual stream (updated in place); returns the final norm
-  // of the last layer's output. The other arguments are those of rotary_write_kv_ and paged_attention_,
-  // with one K and one V cache per layer. output_rows (int64 indices of x's rows): the rows returned, in
-  // that order; the last layer computes attention, o and the MLP for them alone (see OutputRows), and
-  // every row's K and V as always. None: all rows.
-  at::Tensor forward(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                     const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
-                     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                     const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                     const c10::optional<at::Tensor>& output_rows = c10::nullopt) const {
-    const int64_t num_layers = static_cast<int64_t>(layers_.size());
-    TORCH_CHECK(num_layers > 0, "the stack has no layers");
-    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers &&
-                    static_cast<int64_t>(v_caches.size()) == num_layers,
-                "one K and one V cache per layer: ", num_layers, " layers, ", k_caches.size(), " and ",
-                v_caches.size(), " caches");
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-                "x must be contiguous bf16 [num_tokens, ", hidden_, "]");
-    const int64_t t = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    const c10::optional<OutputRows> out_rows =
-        output_rows.has_value()
-            ? c10::make_optional(OutputRows(*output_rows, t, block_tables, query_start_loc, context_lens))
-            : c10::nullopt;
-    at::Tensor h = rms_norm(x, layers_[0].input_norm, eps_);
-    for (int64_t i = 0; i < num_layers; ++i) {
-      const StackLayer& layer = layers_[i];
-      at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
-      const at::Tensor qkv = linear(h, layer.qkv, q_size + 2 * kv_size, layer.qkv_bias);
-      at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, num_heads_ + num_kv_heads_, head_dim_});
-      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads_, head_dim_});
-      if (layer.q_norm.has_value())
-        qk = at::cat({rms_norm(qk.narrow(1, 0, num_heads_), *layer.q_norm, eps_),
-                      rms_norm(qk.narrow(1, num_heads_, num_kv_heads_), *layer.k_norm, eps_)},
-                     1);
-      rotary_write_kv_(qk, v, cos, sin, k_cache, v_cache, slot_mapping);
-      const at::Tensor q = qk.narrow(1, 0, num_heads_);
-      if (i + 1 == num_layers && out_rows.has_value()) {  // only the output rows go on (see OutputRows)
-        at::Tensor xr = x.index_select(0, out_rows->rows);
-        if (xr.size(0) == 0) return xr;
-        return attend_and_mlp(xr, q.index_select(0, out_rows->rows), layer, k_cache, v_cache,
-                              out_rows->tables, out_rows->starts, out_rows->lens, final_norm_);
-      }
-      const at::Tensor& next_norm = i + 1 < num_layers ? layers_[i + 1].input_norm : final_norm_;
-      h = attend_and_mlp(x, q, layer, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                         next_norm);
-    }
-    return h;
   }
 
   // forward over token ids: their embedding rows and the RoPE table rows of their positions (cos | sin, as
@@ -3120,6 +3136,82 @@ class DecoderStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
+  // x [T, hidden] is the embedded batch, the residual stream (updated in place); returns the final norm
+  // of the last layer's output. cos and sin are rotary_write_kv_'s [T, 1, head_dim], the other arguments
+  // those of rotary_write_kv_ and paged_attention_, with one K and one V cache per layer. output_rows (int64
+  // indices of x's rows): the rows returned, in that order; the last layer computes attention, o and the MLP
+  // for them alone (see OutputRows), and every row's K and V as always. None: all rows.
+  at::Tensor forward(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                     const c10::optional<at::Tensor>& output_rows) const {
+    const int64_t num_layers = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(num_layers > 0, "the stack has no layers");
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers &&
+                    static_cast<int64_t>(v_caches.size()) == num_layers,
+                "one K and one V cache per layer: ", num_layers, " layers, ", k_caches.size(), " and ",
+                v_caches.size(), " caches");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+                "x must be contiguous bf16 [num_tokens, ", hidden_, "]");
+    for (int64_t i = 0; i < num_layers; ++i) {
+      check_cache(k_caches[i], v_caches[i]);
+      TORCH_CHECK(k_caches[i].scalar_type() == at::kBFloat16 && k_caches[i].size(2) == num_kv_heads_ &&
+                      k_caches[i].size(3) == head_dim_ && k_caches[i].sizes() == k_caches[0].sizes(),
+                  "layer ", i, ": the caches must be bf16 [num_blocks, block_size, ", num_kv_heads_, ", ",
+                  head_dim_, "], as every layer's");
+    }
+    const int64_t t = x.size(0);
+    TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == t, "slot_mapping must be [num_tokens]");
+    const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+    const c10::optional<OutputRows> out_rows =
+        output_rows.has_value()
+            ? c10::make_optional(OutputRows(*output_rows, t, block_tables, query_start_loc, context_lens))
+            : c10::nullopt;
+    // The same for every layer: the attention's plan and the buffers' views.
+    const AttentionPlan plan = plan_attention(t, num_heads_, k_caches[0], block_tables, query_start_loc,
+                                              context_lens, -1, min_tile_lanes_);
+    const Buffers b = buffers(t);
+    at::BFloat16* const xp = x.mutable_data_ptr<at::BFloat16>();
+    rms_norm_impl<at::BFloat16>(xp, hidden_, nullptr, 0, layers_[0].input_norm.const_data_ptr<at::BFloat16>(),
+                                b.h, hidden_, t, hidden_, eps_);
+    for (int64_t i = 0; i < num_layers; ++i) {
+      const StackLayer& layer = layers_[i];
+      at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
+      linear_to(b.h, hidden_, t, layer.qkv.const_data_ptr<at::BFloat16>(), hidden_ / 2,
+                q_size_ + 2 * kv_size_, bf16_or_null(layer.qkv_bias), b.qkv, q_size_ + 2 * kv_size_);
+      at::Tensor qk = b.qk;
+      if (layer.q_norm.has_value())
+        qk = at::cat({rms_norm(qk.narrow(1, 0, num_heads_), *layer.q_norm, eps_),
+                      rms_norm(qk.narrow(1, num_heads_, num_kv_heads_), *layer.k_norm, eps_)},
+                     1);
+      rotary_write_kv_impl<at::BFloat16>(qk, b.v, cos, sin, k_cache, v_cache, slots);
+      const at::Tensor q = layer.q_norm.has_value() ? qk.narrow(1, 0, num_heads_) : b.q;
+      if (i + 1 == num_layers && out_rows.has_value()) {  // only the output rows go on (see OutputRows)
+        at::Tensor xr = x.index_select(0, out_rows->rows);
+        const int64_t r = xr.size(0);
+        if (r == 0) return xr;
+        const AttentionPlan rows_plan = plan_attention(r, num_heads_, k_cache, out_rows->tables,
+                                                       out_rows->starts, out_rows->lens, -1, min_tile_lanes_);
+        at::Tensor out = at::empty({r, hidden_}, x.options());
+        attend_and_mlp(xr, q.index_select(0, out_rows->rows), layer, k_cache, v_cache, out_rows->tables,
+                       rows_plan, b, b.attn.narrow(0, 0, r), final_norm_,
+                       out.mutable_data_ptr<at::BFloat16>());
+        return out;
+      }
+      if (i + 1 < num_layers) {
+        attend_and_mlp(x, q, layer, k_cache, v_cache, block_tables, plan, b, b.attn,
+                       layers_[i + 1].input_norm, b.h);
+        continue;
+      }
+      at::Tensor out = at::empty({t, hidden_}, x.options());
+      attend_and_mlp(x, q, layer, k_cache, v_cache, block_tables, plan, b, b.attn, final_norm_,
+                     out.mutable_data_ptr<at::BFloat16>());
+      return out;
+    }
+    TORCH_INTERNAL_ASSERT(false, "unreachable");
+  }
+
   // The rows a step's caller reads (the rows it samples from, or scores prompt tokens with): only their
   // final hidden states matter, and in the last layer a row's attention output, o and MLP feed nothing
   // but its own final state, so there they are computed for these rows alone, each as one query over its
@@ -3157,40 +3249,88 @@ class DecoderStack {
     }
   };
 
-  // A layer from its rotated queries q [R, num_heads, head_dim] on: attention over its caches with the given
-  // metadata, o, the residual add into x (R rows, updated in place) with the post-attention norm, the MLP,
-  // and the residual add with next_norm (the next layer's input norm or the final one), which it returns.
-  at::Tensor attend_and_mlp(at::Tensor& x, const at::Tensor& q, const StackLayer& layer,
-                            const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                            const at::Tensor& context_lens, const at::Tensor& next_norm) const {
-    const int64_t rows = q.size(0);
-    at::Tensor attn = at::empty({rows, num_heads_, head_dim_}, x.options());
-    // max_pairs -1: every sequence is computed here (the row and tiled kernels serve any length).
-    paged_attention_(attn, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale_, -1,
-                     min_tile_lanes_);
-    const at::Tensor h =
-        add_rms_norm_(x, linear(attn.view({rows, num_heads_ * head_dim_}), layer.o, hidden_, layer.o_bias),
-                      layer.post_attention_norm, eps_);
-    const at::Tensor act = linear_silu(h, layer.gate_up, intermediate_, layer.gate_up_bias);
-    return add_rms_norm_(x, linear(act, layer.down, hidden_, layer.down_bias), next_norm, eps_);
+  // A forward pass's intermediate rows, in workspace_: pointers to [T, width] buffers, and the views of them
+  // that the RoPE and attention kernels take.
+  struct Buffers {
+    at::BFloat16 *h, *qkv, *o, *act, *down, *scratch;
+    at::Tensor qk, v, q;  // of qkv: [T, Hq + Hkv, D], [T, Hkv, D], [T, Hq, D]
+    at::Tensor attn;      // [T, Hq, D], contiguous
+  };
+
+  // Buffers for t rows, in workspace_ (grown to fit, never shrunk: its pages are touched only as far as
+  // the longest step has used them). NOTE: every forward pass uses the same workspace, so a stack serves
+  // one at a time; pybind11 holds the GIL through the call.
+  Buffers buffers(int64_t t) const {
+    const int64_t qkv_width = q_size_ + 2 * kv_size_;
+    // h, qkv, attn, o, act, down, scratch
+    const int64_t widths[] = {hidden_,       qkv_width, q_size_,          hidden_,
+                              intermediate_, hidden_,   2 * intermediate_};
+    int64_t offsets[7], total = 0;
+    for (int i = 0; i < 7; ++i) offsets[i] = total, total += t * widths[i];
+    if (workspace_.numel() < total) workspace_ = at::empty({total}, final_norm_.options());
+    at::BFloat16* const base = workspace_.mutable_data_ptr<at::BFloat16>();
+    Buffers b;
+    b.h = base + offsets[0];
+    b.qkv = base + offsets[1];
+    b.o = base + offsets[3];
+    b.act = base + offsets[4];
+    b.down = base + offsets[5];
+    b.scratch = base + offsets[6];
+    const at::Tensor qkv = workspace_.narrow(0, offsets[1], t * qkv_width).view({t, qkv_width});
+    b.qk = qkv.narrow(1, 0, q_size_ + kv_size_).view({t, num_heads_ + num_kv_heads_, head_dim_});
+    b.v = qkv.narrow(1, q_size_ + kv_size_, kv_size_).view({t, num_kv_heads_, head_dim_});
+    b.q = b.qk.narrow(1, 0, num_heads_);
+    b.attn = workspace_.narrow(0, offsets[2], t * q_size_).view({t, num_heads_, head_dim_});
+    return b;
   }
 
-  static void check_packed(const at::Tensor& packed, int64_t n, int64_t k, const char* name) {
-    TORCH_CHECK(
-        packed.dim() == 4 && packed.size(0) == (n + kBlock - 1) / kBlock && packed.size(1) == (k + 1) / 2,
-        name, ": expected a weight [", n, ", ", k, "] packed by pack_linear_weight, got ", packed.sizes());
+  // A layer from its rotated queries q [R, num_heads, head_dim] on: attention over its caches with the given
+  // metadata and plan into attn (a [R, num_heads, head_dim] buffer), o, the residual add into x (R rows,
+  // updated in place) with the post-attention norm, the MLP, and the residual add with next_norm (the next
+  // layer's input norm or the final one), written to h_out [R, hidden].
+  void attend_and_mlp(at::Tensor& x, const at::Tensor& q, const StackLayer& layer, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_tables, const AttentionPlan& plan,
+                      const Buffers& b, at::Tensor attn, const at::Tensor& next_norm,
+                      at::BFloat16* h_out) const {
+    const int64_t rows = q.size(0);
+    at::BFloat16* const xp = x.mutable_data_ptr<at::BFloat16>();
+    run_attention(plan, attn, q, k_cache, v_cache, block_tables, scale_);
+    linear_to(attn.const_data_ptr<at::BFloat16>(), q_size_, rows, layer.o.const_data_ptr<at::BFloat16>(),
+              q_size_ / 2, hidden_, bf16_or_null(layer.o_bias), b.o, hidden_);
+    rms_norm_impl<at::BFloat16>(xp, hidden_, b.o, hidden_,
+                                layer.post_attention_norm.const_data_ptr<at::BFloat16>(), b.h, hidden_, rows,
+                                hidden_, eps_);
+    linear_silu_to(b.h, rows, layer.gate_up.const_data_ptr<at::BFloat16>(), hidden_ / 2, intermediate_,
+                   bf16_or_null(layer.gate_up_bias), b.act, intermediate_, b.scratch);
+    linear_to(b.act, intermediate_, rows, layer.down.const_data_ptr<at::BFloat16>(), intermediate_ / 2,
+              hidden_, bf16_or_null(layer.down_bias), b.down, hidden_);
+    rms_norm_impl<at::BFloat16>(xp, hidden_, b.down, hidden_, next_norm.const_data_ptr<at::BFloat16>(), h_out,
+                                hidden_, rows, hidden_, eps_);
+  }
+
+  static void check_packed(const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
+                           int64_t k, const char* name) {
+    TORCH_CHECK(packed.dim() == 4 && packed.size(0) == (n + kBlock - 1) / kBlock && packed.size(1) == k / 2 &&
+                    packed.size(2) == kBlock && packed.size(3) == 2 &&
+                    packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+                name, ": expected a weight [", n, ", ", k, "] packed by pack_linear_weight, got ",
+                packed.sizes());
+    TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n &&
+                                      bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()),
+                name, ": the bias must be contiguous bf16 [", n, "]");
   }
   static void check_norm(const at::Tensor& weight, int64_t size, const char* name) {
-    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == size && weight.scalar_type() == at::kBFloat16, name,
-                " must be bf16 [", size, "]");
+    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == size && weight.scalar_type() == at::kBFloat16 &&
+                    weight.is_contiguous(),
+                name, " must be contiguous bf16 [", size, "]");
   }
 
-  const int64_t hidden_, intermediate_, num_heads_, num_kv_heads_, head_dim_;
+  const int64_t hidden_, intermediate_, num_heads_, num_kv_heads_, head_dim_, q_size_, kv_size_;
   const double eps_, scale_;
   const int64_t min_tile_lanes_;
   const at::Tensor final_norm_;
   std::vector<StackLayer> layers_;
+  mutable at::Tensor workspace_;  // see buffers
 };
 
 }  // namespace

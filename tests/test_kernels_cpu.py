@@ -97,10 +97,11 @@ def test_tiled_prefill_of_any_head_size_and_dtype_matches_oracle(monkeypatch, he
 
 
 @pytest.mark.parametrize("threads", [2, 5])
-@pytest.mark.parametrize("ctx", [1, 15, 16, 17, 100, 700, 1100, 2100])
+@pytest.mark.parametrize("ctx", [1, 15, 16, 17, 100, 260, 700, 1100, 2100])
 def test_a_lone_decode_row_on_more_threads_than_rows_matches_oracle(ctx, threads):
-    # Fewer rows than threads: the kv heads are split over the threads (some get none), and from 1024
-    # positions the context is split into parts whose partial softmaxes are merged (2, then up to 4).
+    # Fewer rows than threads: the kv heads are split over the threads (some get none), and from 256
+    # positions (16 blocks) the context is split into parts of at least 8 blocks whose partial softmaxes
+    # are merged (2 at 260 positions, as many as the threads further on).
     case = Case([ctx], 16, 3, 64, torch.bfloat16, seed=ctx)
     query = torch.randn(1, 9, 64, generator=case.gen).bfloat16()
     previous = torch.get_num_threads()
