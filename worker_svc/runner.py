@@ -106,7 +106,7 @@ class ModelRunner:
             # all of them (a decode step) are every row.
             output_rows = None
             if prompt_rows or len(rows) != batch.num_tokens:
-                output_rows = torch.from_numpy(rows.astype(np.int64)).to(self.device)
+                output_rows = _tensor(rows, torch.int64, self.device)
             t1 = time.perf_counter()
             hidden = self.model(input_ids, positions, attn, self._kv_layers, output_rows)
             logits = self.model.compute_logits(hidden)
@@ -297,8 +297,9 @@ class ModelRunner:
     def _batch(self, plan: worker_pb2.StepPlan) -> _Batch | None:
         if not plan.slots:
             return None
-        slots = np.asarray(plan.slots, dtype=np.int64)
-        num_scheduled = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
+        # NOTE: np.fromiter reads a repeated protobuf field about 3x as fast as np.asarray.
+        slots = np.fromiter(plan.slots, np.int64, len(plan.slots))
+        num_scheduled = np.fromiter(plan.num_scheduled_tokens, np.int64, len(plan.slots))
         start = np.fromiter((self.slots[s].num_computed_tokens for s in plan.slots), np.int64, len(slots))
         query_start_loc = np.zeros(len(slots) + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
@@ -316,17 +317,18 @@ class ModelRunner:
         max_blocks = int(-(-context_lens.max() // self.block_size))
         block_tables = self.block_tables[b.slots, :max_blocks]
 
-        def dev(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype, non_blocking=True)
-
         attn = AttentionMetadata(
-            slot_mapping=dev(slot_mapping, torch.int64),
-            block_tables=dev(block_tables, torch.int32),
-            query_start_loc=dev(b.query_start_loc, torch.int32),
-            context_lens=dev(context_lens, torch.int32),
+            slot_mapping=_tensor(slot_mapping, torch.int64, self.device),
+            block_tables=_tensor(block_tables, torch.int32, self.device),
+            query_start_loc=_tensor(b.query_start_loc, torch.int32, self.device),
+            context_lens=_tensor(context_lens, torch.int32, self.device),
             max_query_len=int(b.num_scheduled.max()),
         )
-        return dev(input_ids, torch.int64), dev(positions, torch.int64), attn
+        return (
+            _tensor(input_ids, torch.int64, self.device),
+            _tensor(positions, torch.int64, self.device),
+            attn,
+        )
 
     def _logits_rows(self, b: _Batch) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
         """Batch indices that sample (their known tokens are all computed after this step), and per
@@ -415,6 +417,18 @@ class ModelRunner:
                         top_logprobs=top_lps,
                     )
                 )
+
+
+_NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64}
+
+
+def _tensor(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An integer array as a tensor of `dtype` on `device`. On the CPU numpy converts it: a torch .to(),
+    even one that changes nothing, costs a dispatch, and the step's Python runs cold after every forward
+    pass (the weights have streamed through the caches)."""
+    if device.type == "cpu":
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=_NUMPY_DTYPES[dtype]))
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device, dtype, non_blocking=True)
 
 
 def _sampling_state(req: worker_pb2.NewRequest) -> SlotSamplingState:
