@@ -1709,15 +1709,13 @@ AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Te
               num_tokens);
   const int64_t max_ctx = block_tables.size(1) * k_cache.size(1);
   const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t head_dim = k_cache.size(3), group = num_heads / k_cache.size(2);
+  const int64_t group = num_heads / k_cache.size(2);
 #if defined(__AVX512F__)
-  const bool can_tile = head_dim % 16 == 0 && group <= kTileLanes;
+  const bool can_tile = k_cache.size(3) % 16 == 0 && group <= kTileLanes;  // the head size
 #elif defined(__AVX2__) && defined(__FMA__)
   const bool can_tile = group <= kTileLanes;
-  (void)head_dim;
 #else
   const bool can_tile = false;
-  (void)head_dim;
 #endif
   if (min_tile_lanes < 0) min_tile_lanes = kTileMinLanes;
   AttentionPlan plan;
@@ -2928,7 +2926,6 @@ void linear_to(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat16
 #elif defined(__AVX2__) && defined(__FMA__)
   linear_avx2(x, ldx, m, w, pairs, n, bias, y, ldy);
 #else
-  (void)x, (void)ldx, (void)w, (void)pairs, (void)n, (void)bias, (void)y, (void)ldy;
   TORCH_CHECK(false, "this build has no linear: it needs AVX-512 BF16 or AVX2 with FMA (see has_linear)");
 #endif
 }
@@ -2963,7 +2960,6 @@ int64_t silu_fused_rows(int64_t m, int64_t k, int64_t size) {
 #elif defined(__AVX2__) && defined(__FMA__)
   return avx2_wide_rows(m, k);
 #else
-  (void)m;
   return 0;
 #endif
 }
