@@ -3168,6 +3168,7 @@ class DecoderStack {
     const AttentionPlan plan = plan_attention(t, num_heads_, k_caches[0], block_tables, query_start_loc,
                                               context_lens, -1, min_tile_lanes_);
     const Buffers b = buffers(t);
+    at::Tensor out = out_rows.has_value() ? at::Tensor() : at::empty({t, hidden_}, x.options());
     at::BFloat16* const xp = x.mutable_data_ptr<at::BFloat16>();
     rms_norm_impl<at::BFloat16>(xp, hidden_, nullptr, 0, layers_[0].input_norm.const_data_ptr<at::BFloat16>(),
                                 b.h, hidden_, t, hidden_, eps_);
@@ -3189,23 +3190,18 @@ class DecoderStack {
         if (r == 0) return xr;
         const AttentionPlan rows_plan = plan_attention(r, num_heads_, k_cache, out_rows->tables,
                                                        out_rows->starts, out_rows->lens, -1, min_tile_lanes_);
-        at::Tensor out = at::empty({r, hidden_}, x.options());
+        out = at::empty({r, hidden_}, x.options());
         attend_and_mlp(xr, q.index_select(0, out_rows->rows), layer, k_cache, v_cache, out_rows->tables,
                        rows_plan, b, b.attn.narrow(0, 0, r), final_norm_,
                        out.mutable_data_ptr<at::BFloat16>());
         return out;
       }
-      if (i + 1 < num_layers) {
-        attend_and_mlp(x, q, layer, k_cache, v_cache, block_tables, plan, b, b.attn,
-                       layers_[i + 1].input_norm, b.h);
-        continue;
-      }
-      at::Tensor out = at::empty({t, hidden_}, x.options());
-      attend_and_mlp(x, q, layer, k_cache, v_cache, block_tables, plan, b, b.attn, final_norm_,
-                     out.mutable_data_ptr<at::BFloat16>());
-      return out;
+      const bool last = i + 1 == num_layers;  // its output is the final norm's, the call's result
+      attend_and_mlp(x, q, layer, k_cache, v_cache, block_tables, plan, b, b.attn,
+                     last ? final_norm_ : layers_[i + 1].input_norm,
+                     last ? out.mutable_data_ptr<at::BFloat16>() : b.h);
     }
-    TORCH_INTERNAL_ASSERT(false, "unreachable");
+    return out;
   }
 
   // The rows a step's caller reads (the rows it samples from, or scores prompt tokens with): only their
