@@ -316,6 +316,64 @@ def test_decoder_stack_refuses_token_ids_and_positions_outside_its_tables(tmp_pa
             model.stack.forward_tokens(ok, ok, *tables, *caches, *attn, output_rows=rows)
 
 
+@needs_packing
+def test_decoder_stack_refuses_weights_it_cannot_read():
+    # The stack's layers read their weights, biases and norms through raw pointers: add_layer checks each
+    # one's shape, dtype and layout once, and a layer that fails is not added.
+    from pagedserve.kernels import cpu_ops
+
+    kernels = cpu_ops.linear_kernels()
+    if kernels is None:
+        pytest.skip("this CPU build has no linear (AVX-512 BF16 or AVX2 with FMA), so no DecoderStack")
+    hidden, intermediate, heads, kv_heads, head_dim = 32, 64, 4, 2, 8
+    q, kv = heads * head_dim, kv_heads * head_dim
+    bf16 = torch.bfloat16
+    norm = torch.ones(hidden, dtype=bf16)
+    shape = dict(
+        hidden=hidden,
+        intermediate=intermediate,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        eps=1e-6,
+        scale=head_dim**-0.5,
+    )
+
+    def pack(n: int, k: int) -> torch.Tensor:
+        return kernels.pack_linear_weight(torch.randn(n, k).to(bf16))
+
+    layer = dict(
+        qkv=pack(q + 2 * kv, hidden),
+        qkv_bias=None,
+        o=pack(hidden, q),
+        o_bias=None,
+        gate_up=pack(2 * intermediate, hidden),
+        gate_up_bias=None,
+        down=pack(hidden, intermediate),
+        down_bias=None,
+        input_norm=norm,
+        post_attention_norm=norm,
+        q_norm=None,
+        k_norm=None,
+    )
+    stack = cpu_ops.decoder_stack(**shape, final_norm=norm)
+    for change, message in (
+        ({"qkv_bias": torch.zeros(q + 2 * kv - 1, dtype=bf16)}, "qkv: the bias must be"),
+        ({"o_bias": torch.zeros(hidden)}, "o: the bias must be"),  # float32
+        ({"down": pack(hidden, intermediate - 2)}, "down: expected a weight"),
+        ({"post_attention_norm": torch.ones(2 * hidden, dtype=bf16)[::2]}, "post_attention_norm must be"),
+        ({"q_norm": torch.ones(head_dim, dtype=bf16)}, "q_norm and k_norm come together"),
+    ):
+        with pytest.raises(RuntimeError, match=message):
+            stack.add_layer(**{**layer, **change})
+    assert stack.num_layers == 0
+    stack.add_layer(**layer)
+    assert stack.num_layers == 1
+    # Its linears read the rows in whole pairs: odd sizes are refused when the stack is made.
+    with pytest.raises(RuntimeError, match="even hidden, intermediate and head sizes"):
+        cpu_ops.decoder_stack(**{**shape, "intermediate": 63}, final_norm=norm)
+
+
 def test_loader_refuses_pickle_checkpoints(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(FAMILIES["mistral_untied"]().to_dict()))
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
