@@ -2900,6 +2900,13 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return padded.view({blocks, kBlock, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
+// The check of a linear layer's bias for N = n: contiguous bf16 [n]; `what` starts the message.
+void check_linear_bias(const c10::optional<at::Tensor>& bias, int64_t n, const char* what) {
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 &&
+                                    bias->size(0) == n && bias->is_contiguous()),
+              what, "bias must be bf16 [", n, "], contiguous");
+}
+
 // The checks of linear's arguments.
 void check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                   const c10::optional<at::Tensor>& bias) {
@@ -2911,9 +2918,7 @@ void check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   TORCH_CHECK(k == 2 * pairs || k + 1 == 2 * pairs, "x has K = ", k, ", the packed weight ", 2 * pairs);
   TORCH_CHECK(n > (packed.size(0) - 1) * kBlock && n <= packed.size(0) * kBlock, "n = ", n,
               " does not match the packed weight");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 &&
-                                    bias->size(0) == n && bias->is_contiguous()),
-              "bias must be bf16 [", n, "]");
+  check_linear_bias(bias, n, "");
 }
 
 // y [m, n] (rows ldy apart) = x [m, 2 * pairs] (rows ldx apart) @ W^T + bias, for the W that
@@ -3307,9 +3312,7 @@ class DecoderStack {
                     packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
                 name, ": expected a weight [", n, ", ", k, "] packed by pack_linear_weight, got ",
                 packed.sizes());
-    TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n &&
-                                      bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()),
-                name, ": the bias must be contiguous bf16 [", n, "]");
+    check_linear_bias(bias, n, (std::string(name) + ": the ").c_str());
   }
   static void check_norm(const at::Tensor& weight, int64_t size, const char* name) {
     TORCH_CHECK(weight.dim() == 1 && weight.size(0) == size && weight.scalar_type() == at::kBFloat16 &&
