@@ -52,8 +52,9 @@ inline __m256 load8(const at::BFloat16* p) {
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 #endif
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-// bf16 rows widened 8 at a time (a 16-bit shift), which GCC leaves to c10's scalar conversion.
+#if defined(__AVX2__)
+// bf16 rows widened 8 at a time (a 16-bit shift), which GCC leaves to c10's scalar conversion (on AVX-512
+// too: the tiled attention's K and V blocks without BF16, the linear's rows of x).
 inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
@@ -311,7 +312,7 @@ inline void prefetch_write(const void* ptr, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 1, 1);
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
 // The bytes [at, at + bytes) (the next block of the cache) prefetched a share at a time over `steps` steps
 // of a kernel, so that the prefetches do not queue up behind each other in one burst: issued back to back
 // before each visit of a block, a decode row's prefetches held half of `perf`'s samples of the attention's
@@ -484,7 +485,7 @@ inline void accumulate_rows_avx512(float* acc, const float* w, const float* rows
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
 // accumulate_rows on AVX2 for a head size that is a multiple of 8, for the G query vectors of a kv head at
 // once: acc_g[0 .. 8C) += sum over j < n of w[g * w_stride + j] * row j[0 .. 8C) (acc_g size floats apart),
 // the sums held in registers over the block's rows (the plain loop loads and stores acc for every row).
@@ -533,7 +534,7 @@ inline void accumulate_rows_avx2(float* acc, const float* w, const float* rows, 
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
 // On AVX2 a kv head's K and V rows are read in place from a bf16 cache and widened as they are loaded, for
 // its group of query vectors 3 at a time (group_scores_avx2 and group_values_avx2 with bf16 rows), where
 // the tile path widens each block into float32 first and takes one vector at a time: the same sums in the
@@ -542,7 +543,11 @@ inline void accumulate_rows_avx2(float* acc, const float* w, const float* rows, 
 // of SmolLM2's attention (9 query heads, 3 kv heads of 64, blocks scattered over 4000), in place against
 // the tile, alternating, two runs: 24 decode rows over 400 positions 0.32 and 0.39 against 0.46 and 0.72
 // ms; one over 2048 0.07 and 0.08 against 0.10 and 0.12 ms; 4 prompts of 500 tokens 13.3 and 16.1 against
-// 14.6 and 20.2 ms (each row of a prompt chunk widens the block again, and still gains).
+// 14.6 and 20.2 ms (each row of a prompt chunk widens the block again, and still gains). AVX-512 cores
+// without BF16 (Ice Lake) take this path too, against their own one vector at a time over the widened tile
+// (alternating, one layer as above, 2-core Ice Lake): 24 rows over 300 positions 0.41 against 0.82 ms (0.31
+// against 0.56 with that tile widened 8 bf16 at a time, as load_row now does), one row over 2048 0.07
+// against 0.13 ms.
 constexpr int kGroupVectorsAvx2 = 3;
 // Up to this many bytes of the next block are prefetched before a visit (a prompt row's share); more (a
 // decode row's) are shared out over the kernels' steps (see FetchShare).
@@ -913,8 +918,9 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 #else
   const bool raw_scores = false, raw_values = false;
 #endif
-  // On AVX2, bf16 K and V are read in place for the whole group (see group_scores), the query in float.
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  // Without AVX-512 BF16, bf16 K and V are read in place for the whole group (see group_scores), the query in
+  // float.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
   const bool in_place = std::is_same_v<T, c10::BFloat16> && a.head_dim % 8 == 0;
 #else
   const bool in_place = false;
@@ -992,7 +998,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
           a.k_ptr, a.v_ptr, !raw_scores && !in_place,
           [&](int64_t v0, const float* k_rows, const T* k_raw, int64_t first, int64_t n, const char* fetch,
               int64_t fetch_bytes) {
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
             if constexpr (std::is_same_v<T, c10::BFloat16>) {
               if (in_place) {
                 return group_scores(&q[v0 * a.head_dim], a.group, a.head_dim, k_raw, a.slot_stride, n,
@@ -1042,7 +1048,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       walk(a.v_ptr, nullptr, !raw_values && !in_place,
            [&](int64_t v0, const float* v_rows, const T* v_raw, int64_t first, int64_t n, const char* fetch,
                int64_t fetch_bytes) {
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
              if constexpr (std::is_same_v<T, c10::BFloat16>) {
                if (in_place) {
                  return group_values(&sums[v0 * a.head_dim], a.group, a.head_dim,
@@ -2483,7 +2489,8 @@ void linear_silu_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at:
 #elif defined(__AVX2__) && defined(__FMA__)
 
 // The same packed layout without a bf16 dot product (CPUs with AVX2 and FMA but no AVX-512 BF16: AMD before
-// Zen 4, most Intel cores before Sapphire Rapids). Each 32-bit lane of a line holds one column's pair (k = 2p
+// Zen 4, Intel cores before Sapphire Rapids; on those with AVX-512, passes of 5 rows and more run in zmm, see
+// halves_kernel_avx512). Each 32-bit lane of a line holds one column's pair (k = 2p
 // in its low half, 2p + 1 in its high half), so a shift and a mask widen a half line to 8 float32 weights of
 // k = 2p and 8 of k = 2p + 1, exactly. x is widened to float32 once per group of rows (kAvx2GroupRows, into
 // each thread's buffer) and its values are broadcast from there. A product of two bf16 values is exact in
@@ -2665,6 +2672,115 @@ using BlockFnAvx2 = void (*)(const at::BFloat16*, const float*, int64_t, int64_t
 constexpr std::array<BlockFnAvx2, kAvx2MaxRows> kKernelsAvx2 = {
     &block_kernel_avx2<1, 4>, &block_kernel_avx2<2, 2>, &block_kernel_avx2<3, 1>, &block_kernel_avx2<4, 1>};
 
+#if defined(__AVX512F__)
+// AVX-512 without its BF16 dot product (Ice Lake, Cascade Lake and Skylake servers): a packed line is one
+// zmm, and a shift and a mask widen it to a block's 16 weights of k = 2p and of k = 2p + 1, so a row's 16
+// sums are one register and each FMA does 16 of them. On such a core (two 512-bit FMA units) bare FMAs ran
+// 161-181 GFLOP/s in zmm against 104-110 in ymm, but the loads do not keep up with one per FMA (a row's
+// broadcast): 12 rows against one block, in L1, ran 75-90 GFLOP/s, against two blocks (32 columns, each
+// broadcast feeding two FMAs) 142-150. So a pass covers two blocks, side by side in the packed weight. Every
+// lane runs the FMAs of the AVX2 passes in the same order (k = 2p, then 2p + 1, the bias added last), so a
+// row's bits are those of a 3- to 6-row AVX2 pass.
+constexpr int kAvx512Rows = 12;  // the rows of a pass: 24 sums, 4 widened halves, the mask, a broadcast
+// Fewer rows go through the AVX2 passes (3 and 4 rows: their 6-8 sums in zmm, two dependent FMAs a K pair
+// each, wait on the FMAs' latency; the AVX2 passes have 8 sums).
+constexpr int kAvx512MinRows = 5;
+
+inline void store_sums512(__m512 sums, at::BFloat16* y, int64_t cols) {
+  store_sums(_mm512_castps512_ps256(sums),
+             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1)), y, cols);
+}
+
+// The rows of a pass, x [rows, k] (k even), interleaved by K pair into out [k / 2, rows, 2]: the kernels
+// then reach every broadcast from one pointer (with a pointer a row GCC kept them on the stack, reloaded
+// every pair).
+inline void interleave_pairs(const float* x, int64_t rows, int64_t k, float* out) {
+  for (int64_t p = 0; p < k / 2; ++p)
+    for (int64_t r = 0; r < rows; ++r) {
+      out[(p * rows + r) * 2] = x[r * k + 2 * p];
+      out[(p * rows + r) * 2 + 1] = x[r * k + 2 * p + 1];
+    }
+}
+
+// Stores the NB blocks' sums of a row plus bias, the first cols columns.
+template <int NB>
+inline void store_blocks512(const __m512 (&acc)[NB], const float* bias, at::BFloat16* y, int64_t cols) {
+#pragma GCC unroll 2
+  for (int b = 0; b < NB; ++b)
+    store_sums512(_mm512_add_ps(acc[b], _mm512_loadu_ps(bias + kBlock * b)), y + kBlock * b,
+                  std::min<int64_t>(kBlock, cols - kBlock * b));
+}
+
+// block_kernel_halves_avx2 in zmm: ROWS rows (x interleaved by pair) against NB blocks, the second's lines
+// right after the first's (w + pairs * 2 * kBlock); bias and y cover the NB blocks' columns. kSilu: the sums
+// are up's, and y gets silu(gate) * up, gate's rows NB * kBlock apart (as wide_kernel_avx2). It serves every
+// row count from kAvx512MinRows: a float32 copy of the blocks (the AVX2 build's path from 32 rows) is read
+// from L2 here, two blocks of K = 576 being 72 KB, and ran 1.4x as long as widening them in every pass.
+template <int ROWS, int NB, bool kSilu>
+void halves_kernel_avx512(const at::BFloat16* w, int64_t pairs, const float* x, const float* bias,
+                          at::BFloat16* y, int64_t ldy, int64_t cols, const at::BFloat16* gate,
+                          const char* fetch, int64_t fetch_step) {
+  __m512 acc[ROWS][NB];
+#pragma GCC unroll 16
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 2
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i line[NB];
+#pragma GCC unroll 2
+    for (int b = 0; b < NB; ++b) line[b] = _mm512_loadu_si512(w + (b * pairs + p) * 2 * kBlock);
+    _mm_prefetch(fetch + p * fetch_step, _MM_HINT_T1);
+    const float* xp = x + p * 2 * ROWS;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // k = 2p, then 2p + 1
+      __m512 half[NB];
+#pragma GCC unroll 2
+      for (int b = 0; b < NB; ++b)
+        half[b] =
+            _mm512_castsi512_ps(h == 0 ? _mm512_slli_epi32(line[b], 16) : _mm512_and_si512(line[b], high));
+#pragma GCC unroll 16
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 xr = _mm512_set1_ps(xp[2 * r + h]);
+#pragma GCC unroll 2
+        for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(half[b], xr, acc[r][b]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < ROWS; ++r) {
+    if constexpr (kSilu) {
+      for (int b = 0; b < NB; ++b) {
+        const __m512 sums = _mm512_add_ps(acc[r][b], _mm512_loadu_ps(bias + kBlock * b));
+        const __m256 half[2] = {_mm512_castps512_ps256(sums),
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1))};
+        for (int h = 0; h < 2; ++h) {
+          const int64_t c = kBlock * b + 8 * h;
+          store8_bf16(y + r * ldy + c,
+                      _mm256_mul_ps(round_bf16_avx2(silu256(load8(gate + r * NB * kBlock + c))),
+                                    round_bf16_avx2(half[h])));
+        }
+      }
+    } else {
+      store_blocks512<NB>(acc[r], bias, y + r * ldy, cols);
+    }
+  }
+}
+
+using PassFnAvx512 = void (*)(const at::BFloat16*, int64_t, const float*, const float*, at::BFloat16*,
+                              int64_t, int64_t, const at::BFloat16*, const char*, int64_t);
+// The kernels of 1 .. kAvx512Rows rows: [silu][blocks - 1][rows - 1].
+template <int... R>
+constexpr auto avx512_table(std::integer_sequence<int, R...>) {
+  using Rows = std::array<PassFnAvx512, sizeof...(R)>;
+  return std::array<std::array<Rows, 2>, 2>{{
+      {Rows{&halves_kernel_avx512<R + 1, 1, false>...}, Rows{&halves_kernel_avx512<R + 1, 2, false>...}},
+      {Rows{&halves_kernel_avx512<R + 1, 1, true>...}, Rows{&halves_kernel_avx512<R + 1, 2, true>...}},
+  }};
+}
+constexpr auto kKernelsAvx512 = avx512_table(std::make_integer_sequence<int, kAvx512Rows>{});
+#endif
+
 // ROWS rows against S blocks at once, `step` blocks apart: S sequential streams of W a thread, each
 // prefetched 1 KB ahead (a core reads faster from several streams than from one; see block_kernel_streams).
 // On a 2-core Zen 3, single calls at one row, four streams against one, alternating: gate_up 22.5 -> 31-33
@@ -2730,10 +2846,17 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
   // start, ran 2-5 % slower at 5-12 rows in a quiet moment: a run read back to front streams worse.
   const int64_t tail_rows = m - wide_groups * group_rows;
   const int64_t streams = tail_rows == 1 ? 4 : (tail_rows == 2 ? 2 : 1);
-  // Run r's first block, its units (steps and blocks left over), and the steps.
+  // The runs are of slots of `width` blocks: on AVX-512 a pass of 3 rows or more covers two blocks.
+#if defined(__AVX512F__)
+  const int64_t width = tail_rows >= kAvx512MinRows ? 2 : 1;
+#else
+  const int64_t width = 1;
+#endif
+  const int64_t slots = (blocks + width - 1) / width;
+  // Run r's first slot, its units (steps and slots left over), and the steps.
   const auto run_of = [&](int r, int64_t& r0, int64_t& units, int64_t& steps) {
-    r0 = blocks * r / threads;
-    const int64_t size = blocks * (r + 1) / threads - r0;
+    r0 = slots * r / threads;
+    const int64_t size = slots * (r + 1) / threads - r0;
     steps = size / streams;
     units = steps + size - steps * streams;
   };
@@ -2760,8 +2883,11 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num();
-    thread_local std::vector<float> xf, wide;
+    thread_local std::vector<float> xf, xt, wide;
     xf.resize(std::max<size_t>(xf.size(), std::min(m, group_rows) * k));
+#if defined(__AVX512F__)
+    xt.resize(xf.size());
+#endif
     int64_t widened = -1;  // the group of rows whose x is in xf
     // x of group g into xf; the group's first row and rows into g0 and rows.
     const auto load_group = [&](int64_t g, int64_t& g0, int64_t& rows) {
@@ -2769,46 +2895,106 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
       rows = std::min(group_rows, m - g0);
       if (widened == g) return;
       for (int64_t r = 0; r < rows; ++r) load_row(x + (g0 + r) * ldx, xf.data() + r * k, k);
+#if defined(__AVX512F__)
+      // The zmm passes' rows interleaved by K pair, each pass's at xt + r0 * k (passes of 1 or 2 rows read
+      // xf).
+      const int64_t passes = (rows + kAvx512Rows - 1) / kAvx512Rows;
+      for (int64_t i = 0; i < passes; ++i) {
+        const int64_t r0 = rows * i / passes;
+        interleave_pairs(xf.data() + r0 * k, rows * (i + 1) / passes - r0, k, xt.data() + r0 * k);
+      }
+#endif
       widened = g;
     };
-    // Block j's columns, and its bias in float32 (zero without one), into cols and bias_f32.
-    const auto block_of = [&](int64_t j, int64_t& cols, float* bias_f32) {
-      cols = std::min<int64_t>(kBlock, n - j * kBlock);
-      std::fill(bias_f32, bias_f32 + kBlock, 0.f);
+    // Blocks j .. j + count - 1: their columns, and their bias in float32 (zero without one) into bias_f32.
+    const auto block_of = [&](int64_t j, int64_t& cols, float* bias_f32, int64_t count = 1) {
+      cols = std::min<int64_t>(count * kBlock, n - j * kBlock);
+      std::fill(bias_f32, bias_f32 + count * kBlock, 0.f);
       for (int64_t c = 0; bias != nullptr && c < cols; ++c)
         bias_f32[c] = static_cast<float>(bias[j * kBlock + c]);
     };
-    // Block j for the rows g0 .. g0 + rows - 1 (of xf) in passes of up to 6 rows, which widen it as they go;
-    // dir is -1 where the blocks are taken back to front (the block before is fetched instead of the next).
+    // Slot j's blocks for the rows g0 .. g0 + rows - 1 (of xf) in passes of up to 6 rows (on AVX-512 12),
+    // which widen them as they go; dir is -1 where the slots are taken back to front (the slot before is
+    // fetched instead of the next).
     const auto block_passes = [&](int64_t j, int64_t g0, int64_t rows, int64_t dir = 1) {
+      const int64_t first = j * width, nb = std::min(width, blocks - first);
       int64_t cols;
-      float bias_f32[kBlock];
-      block_of(j, cols, bias_f32);
+      float bias_f32[2 * kBlock];
+      block_of(first, cols, bias_f32, nb);
+#if defined(__AVX512F__)
+      // Even passes of up to kAvx512Rows rows.
+      const int64_t passes = (rows + kAvx512Rows - 1) / kAvx512Rows;
+#else
       // Passes of 6 rows, then the rest in even passes of up to 4; 6 + 1 rows at the end as 4 + 3.
       int64_t sixes = rows / kAvx2HalvesRows, rest = rows % kAvx2HalvesRows;
       if (rest == 1 && sixes > 0) --sixes, rest += kAvx2HalvesRows;
       const int64_t rest_passes = (rest + kAvx2MaxRows - 1) / kAvx2MaxRows, passes = sixes + rest_passes;
+#endif
       const int64_t block_bytes = pairs * 2 * kBlock * 2;
-      const char* const block = reinterpret_cast<const char*>(w + j * pairs * 2 * kBlock);
+      const char* const block = reinterpret_cast<const char*>(w + first * pairs * 2 * kBlock);
       for (int64_t i = 0; i < passes; ++i) {
-        const int64_t r0 =
-            i < sixes ? i * kAvx2HalvesRows : sixes * kAvx2HalvesRows + rest * (i - sixes) / rest_passes;
-        const int64_t chunk =
-            i < sixes ? kAvx2HalvesRows : sixes * kAvx2HalvesRows + rest * (i - sixes + 1) / rest_passes - r0;
-        // One pass streams its block kPrefetchBytes ahead. Several (5 or 7-31 rows: a decode batch) fetch the
-        // next block instead, each pass a 1/passes share of it, so that memory works while they compute;
+        // One pass streams its blocks kPrefetchBytes ahead. Several (5 or 7-31 rows: a decode batch) fetch
+        // the next slot instead, each pass a 1/passes share of it, so that memory works while they compute;
         // before, the first pass over a block waited on memory and the others on the FMAs. Single calls
         // at 8 rows, GFLOP/s, before -> after (2-core Zen 3, weights from memory, two runs): qkv 135 ->
         // 148 and 127 -> 137, gate_up 137 -> 158 and 112 -> 116, the LM head 126 -> 165 and 138 -> 161.
         // A decode step's 30 layers and head, alternating: 8 rows 21.5 -> 18.7 ms, 16 rows 39.3 -> 34.9.
-        const char* fetch = passes == 1 && dir > 0 ? block + kPrefetchBytes
-                                                   : block + dir * block_bytes + i * block_bytes / passes;
-        const int64_t step = passes == 1 && dir > 0 ? 64 : (64 + passes - 1) / passes;
+        const char* fetch = passes == 1 && dir > 0
+                                ? block + kPrefetchBytes
+                                : block + dir * width * block_bytes + i * nb * block_bytes / passes;
+        const int64_t step = passes == 1 && dir > 0 ? 64 * nb : (64 * nb + passes - 1) / passes;
+#if defined(__AVX512F__)
+        const int64_t r0 = rows * i / passes, chunk = rows * (i + 1) / passes - r0;
+        if (chunk >= kAvx512MinRows) {
+          kKernelsAvx512[0][nb - 1][chunk - 1](w + first * pairs * 2 * kBlock, pairs, xt.data() + r0 * k,
+                                               bias_f32, y + (g0 + r0) * ldy + first * kBlock, ldy, cols,
+                                               nullptr, fetch, step);
+          continue;
+        }
+#else
+        const int64_t r0 =
+            i < sixes ? i * kAvx2HalvesRows : sixes * kAvx2HalvesRows + rest * (i - sixes) / rest_passes;
+        const int64_t chunk =
+            i < sixes ? kAvx2HalvesRows : sixes * kAvx2HalvesRows + rest * (i - sixes + 1) / rest_passes - r0;
+#endif
+        TORCH_INTERNAL_ASSERT(nb == 1);
         (chunk == kAvx2HalvesRows ? &block_kernel_halves_avx2<kAvx2HalvesRows> : kKernelsAvx2[chunk - 1])(
-            w + j * pairs * 2 * kBlock, xf.data() + r0 * k, k, pairs, bias_f32,
-            y + (g0 + r0) * ldy + j * kBlock, ldy, cols, fetch, step);
+            w + first * pairs * 2 * kBlock, xf.data() + r0 * k, k, pairs, bias_f32,
+            y + (g0 + r0) * ldy + first * kBlock, ldy, cols, fetch, step);
       }
     };
+#if defined(__AVX512F__)
+    // Groups of rows as below (the AVX2 build's comments), a unit being two blocks (the last one alone where
+    // their count is odd), read by passes of up to 12 rows that widen them as they go: no float32 copy.
+    const int64_t unit_blocks = silu ? blocks / 2 : blocks, units = (unit_blocks + 1) / 2;
+    thread_local std::vector<at::BFloat16> gate;
+    if (silu) gate.resize(std::max<size_t>(gate.size(), group_rows * 2 * kBlock));
+    for (int64_t u = next_unit.fetch_add(1, std::memory_order_relaxed); u < wide_groups * units;
+         u = next_unit.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t j = u % units * 2, nb = std::min<int64_t>(2, unit_blocks - j);
+      int64_t g0, rows;
+      load_group(u / units, g0, rows);
+      const int64_t passes = (rows + kAvx512Rows - 1) / kAvx512Rows;
+      for (int part = 0; part < (silu ? 2 : 1); ++part) {  // with silu gate's blocks, then up's
+        const int64_t first = part * unit_blocks + j;
+        int64_t cols;
+        float bias_f32[2 * kBlock];
+        block_of(first, cols, bias_f32, nb);
+        const bool to_gate = silu && part == 0;
+        // The blocks after these, a 1/passes share of them in each pass.
+        const char* const next = reinterpret_cast<const char*>(w + (first + nb) * pairs * 2 * kBlock);
+        const int64_t step = (64 * nb + passes - 1) / passes;
+        for (int64_t i = 0; i < passes; ++i) {
+          const int64_t r0 = rows * i / passes, chunk = rows * (i + 1) / passes - r0;
+          kKernelsAvx512[silu && part == 1][nb - 1][chunk - 1](
+              w + first * pairs * 2 * kBlock, pairs, xt.data() + r0 * k, bias_f32,
+              to_gate ? gate.data() + r0 * nb * kBlock : y + (g0 + r0) * ldy + j * kBlock,
+              to_gate ? nb * kBlock : ldy, cols, gate.data() + r0 * nb * kBlock,
+              next + i * nb * pairs * 64 / passes, step);
+        }
+      }
+    }
+#else
     // Groups through the float32 copy: a unit is one block for one group of rows, handed to whichever thread
     // asks next, groups in order (the threads work through a group together, each widening its x once).
     // Given equal runs of blocks, the two threads of a 2-core Zen 3 did not finish together: one waited 5-20
@@ -2856,6 +3042,7 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
                                                   gate.data() + r0 * kBlock);
       }
     }
+#endif
     if (wide_groups < groups) {
       // Fewer rows than the float32 copy pays for (a decode batch, or a prompt's last rows): each thread
       // takes a contiguous run of blocks (one sequential stream of W), as linear_avx512, then helps the

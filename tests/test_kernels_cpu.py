@@ -378,7 +378,10 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
     # widened to float32 once, then passes of 5-6 rows; a group of rows at a time, 96 up to
     # K = 768 and 48 past it, their blocks handed to the threads one at a time (64 rows of K = 96: one
     # group; 128 of K = 64: 96 over widened blocks, then 32; 250: 96, 96 and 58; 60 of K = 1000: 48, then 12
-    # in passes of 4; 97 and 98 of K = 96: 96, then the last row as four runs, the last two as two).
+    # in passes of 4; 97 and 98 of K = 96: 96, then the last row as four runs, the last two as two). On
+    # AVX-512 without BF16 the same groups and runs, but from 5 rows even passes of up to 12 rows over two
+    # blocks at once, with no float32 copy (200 columns: 13 blocks, the last alone; 128 rows of K = 64: 96
+    # in eight passes, then 32 in three).
     gen = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
@@ -397,13 +400,16 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
 @pytest.mark.parametrize(
     ("rows", "n", "k", "bias"), [(40, 200, 96, True), (100, 64, 1536, False), (100, 48, 96, True)]
 )
-def test_avx2_linear_gives_a_row_the_same_bits_in_any_pass_of_3_to_6_rows(rows, n, k, bias):
+def test_avx2_linear_gives_a_row_the_same_bits_in_any_pass_from_3_rows(rows, n, k, bias):
     # Passes of 3, 4 and 6 rows widening the weights as they go (6: each half of a line in turn), and from
     # 32 rows passes of 5 and 6 over a block widened once, run the same float32 FMAs in k order: in any of
     # them a row's result is the same (below 32 rows passes of 6, then of up to 4: 10 rows are 6 + 4, 24
     # four of 6; groups of 96 rows up to K = 768, of 48 past it, and what is left: 100 rows are 96 + 4 and
-    # 48 + 48 + 4). A pass of 1 or 2 rows (alone, or the last of 7, 8, 11, 13, 14 ... rows below 32) runs
-    # interleaved sets of sums, another order. So that any other order shows, x holds +2^40 and -2^40 against equal weights
+    # 48 + 48 + 4). On AVX-512 without BF16 the passes of 5 to 12 rows run the same FMAs in zmm, over two
+    # blocks at once (the last alone where the count is odd: n = 200 and 48), 3 and 4 rows as on AVX2 (10
+    # rows are one pass, 24 two of 12, 40 four of 10, 100 of K = 1536 four of 12 twice, then 4). A pass of 1
+    # or 2 rows (alone, or the last of 7, 8, 11, 13, 14 ... rows below 32 on AVX2) runs interleaved sets of
+    # sums, another order. So that any other order shows, x holds +2^40 and -2^40 against equal weights
     # at k/3 and 2k/3: in k order the sum up to 2k/3 vanishes (absorbed, then cancelled) and only the terms
     # after it are left.
     gen = torch.Generator().manual_seed(rows + n + k)
