@@ -2686,29 +2686,46 @@ constexpr int kAvx512Rows = 12;  // the rows of a pass: 24 sums, 4 widened halve
 // each, wait on the FMAs' latency; the AVX2 passes have 8 sums).
 constexpr int kAvx512MinRows = 5;
 
-inline void store_sums512(__m512 sums, at::BFloat16* y, int64_t cols) {
-  store_sums(_mm512_castps512_ps256(sums),
-             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1)), y, cols);
-}
-
-// The rows of a pass, x [rows, k] (k even), interleaved by K pair into out [k / 2, rows, 2]: the kernels
-// then reach every broadcast from one pointer (with a pointer a row GCC kept them on the stack, reloaded
-// every pair).
-inline void interleave_pairs(const float* x, int64_t rows, int64_t k, float* out) {
-  for (int64_t p = 0; p < k / 2; ++p)
-    for (int64_t r = 0; r < rows; ++r) {
-      out[(p * rows + r) * 2] = x[r * k + 2 * p];
-      out[(p * rows + r) * 2 + 1] = x[r * k + 2 * p + 1];
+// The rows of a pass, x [rows, 2 * pairs] bf16 (rows ldx apart), widened to float32 and interleaved by K pair
+// into out [pairs, rows, 2]: the kernels then reach every broadcast from one pointer (with a pointer a row
+// GCC kept them on the stack, reloaded every pair). A pair's two bf16 are one 32-bit word: its low half
+// shifted up is k = 2p, its high half masked k = 2p + 1, one 64-bit store.
+inline void interleave_pairs(const at::BFloat16* x, int64_t ldx, int64_t rows, int64_t pairs, float* out) {
+  uint64_t* const out_pairs = reinterpret_cast<uint64_t*>(out);
+  for (int64_t r = 0; r < rows; ++r) {
+    const at::BFloat16* row = x + r * ldx;
+    for (int64_t p = 0; p < pairs; ++p) {
+      uint32_t v;
+      std::memcpy(&v, row + 2 * p, sizeof(v));
+      out_pairs[p * rows + r] = static_cast<uint64_t>(v & 0xFFFF0000u) << 32 | static_cast<uint32_t>(v << 16);
     }
+  }
 }
 
-// Stores the NB blocks' sums of a row plus bias, the first cols columns.
-template <int NB>
-inline void store_blocks512(const __m512 (&acc)[NB], const float* bias, at::BFloat16* y, int64_t cols) {
-#pragma GCC unroll 2
-  for (int b = 0; b < NB; ++b)
-    store_sums512(_mm512_add_ps(acc[b], _mm512_loadu_ps(bias + kBlock * b)), y + kBlock * b,
-                  std::min<int64_t>(kBlock, cols - kBlock * b));
+// A pass's sums (rows x nb blocks of kBlock floats) plus bias, rounded to bf16 into y, the first cols
+// columns; with gate, silu(gate) * up of them (as wide_kernel_avx2), gate's rows nb * kBlock apart. Out of
+// line, so that GCC compiles the kernels' loops alone: with a whole block's stores inlined (no memcpy call)
+// it versioned the loop, spilled sums and ran 1.2-1.4x as long.
+__attribute__((noinline)) void store_pass512(const float* sums, int64_t rows, int64_t nb, const float* bias,
+                                             at::BFloat16* y, int64_t ldy, int64_t cols,
+                                             const at::BFloat16* gate) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* s = sums + (r * nb + b) * kBlock;
+      at::BFloat16* out = y + r * ldy + b * kBlock;
+      const __m256 lo = _mm256_add_ps(_mm256_load_ps(s), _mm256_loadu_ps(bias + b * kBlock));
+      const __m256 hi = _mm256_add_ps(_mm256_load_ps(s + 8), _mm256_loadu_ps(bias + b * kBlock + 8));
+      if (gate != nullptr) {
+        const at::BFloat16* g = gate + r * nb * kBlock + b * kBlock;
+        store8_bf16(out, _mm256_mul_ps(round_bf16_avx2(silu256(load8(g))), round_bf16_avx2(lo)));
+        store8_bf16(out + 8, _mm256_mul_ps(round_bf16_avx2(silu256(load8(g + 8))), round_bf16_avx2(hi)));
+      } else if (cols - b * kBlock >= kBlock) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out), to_bf16_avx2(lo));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8), to_bf16_avx2(hi));
+      } else {
+        store_sums(lo, hi, out, cols - b * kBlock);
+      }
+    }
 }
 
 // block_kernel_halves_avx2 in zmm: ROWS rows (x interleaved by pair) against NB blocks, the second's lines
@@ -2747,24 +2764,12 @@ void halves_kernel_avx512(const at::BFloat16* w, int64_t pairs, const float* x, 
       }
     }
   }
+  alignas(64) float sums[ROWS][NB][kBlock];
 #pragma GCC unroll 16
-  for (int r = 0; r < ROWS; ++r) {
-    if constexpr (kSilu) {
-      for (int b = 0; b < NB; ++b) {
-        const __m512 sums = _mm512_add_ps(acc[r][b], _mm512_loadu_ps(bias + kBlock * b));
-        const __m256 half[2] = {_mm512_castps512_ps256(sums),
-                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1))};
-        for (int h = 0; h < 2; ++h) {
-          const int64_t c = kBlock * b + 8 * h;
-          store8_bf16(y + r * ldy + c,
-                      _mm256_mul_ps(round_bf16_avx2(silu256(load8(gate + r * NB * kBlock + c))),
-                                    round_bf16_avx2(half[h])));
-        }
-      }
-    } else {
-      store_blocks512<NB>(acc[r], bias, y + r * ldy, cols);
-    }
-  }
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 2
+    for (int b = 0; b < NB; ++b) _mm512_store_ps(sums[r][b], acc[r][b]);
+  store_pass512(&sums[0][0][0], ROWS, NB, bias, y, ldy, cols, kSilu ? gate : nullptr);
 }
 
 using PassFnAvx512 = void (*)(const at::BFloat16*, int64_t, const float*, const float*, at::BFloat16*,
@@ -2894,17 +2899,19 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
       g0 = g * group_rows;
       rows = std::min(group_rows, m - g0);
       if (widened == g) return;
-      for (int64_t r = 0; r < rows; ++r) load_row(x + (g0 + r) * ldx, xf.data() + r * k, k);
+      widened = g;
 #if defined(__AVX512F__)
-      // The zmm passes' rows interleaved by K pair, each pass's at xt + r0 * k (passes of 1 or 2 rows read
-      // xf).
-      const int64_t passes = (rows + kAvx512Rows - 1) / kAvx512Rows;
-      for (int64_t i = 0; i < passes; ++i) {
-        const int64_t r0 = rows * i / passes;
-        interleave_pairs(xf.data() + r0 * k, rows * (i + 1) / passes - r0, k, xt.data() + r0 * k);
+      // From kAvx512MinRows the passes are zmm's, each pass's rows interleaved by K pair at xt + r0 * k.
+      if (rows >= kAvx512MinRows) {
+        const int64_t passes = (rows + kAvx512Rows - 1) / kAvx512Rows;
+        for (int64_t i = 0; i < passes; ++i) {
+          const int64_t r0 = rows * i / passes;
+          interleave_pairs(x + (g0 + r0) * ldx, ldx, rows * (i + 1) / passes - r0, pairs, xt.data() + r0 * k);
+        }
+        return;
       }
 #endif
-      widened = g;
+      for (int64_t r = 0; r < rows; ++r) load_row(x + (g0 + r) * ldx, xf.data() + r * k, k);
     };
     // Blocks j .. j + count - 1: their columns, and their bias in float32 (zero without one) into bias_f32.
     const auto block_of = [&](int64_t j, int64_t& cols, float* bias_f32, int64_t count = 1) {
