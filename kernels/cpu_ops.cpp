@@ -2677,14 +2677,16 @@ constexpr std::array<BlockFnAvx2, kAvx2MaxRows> kKernelsAvx2 = {
 // zmm, and a shift and a mask widen it to a block's 16 weights of k = 2p and of k = 2p + 1, so a row's 16
 // sums are one register and each FMA does 16 of them. On such a core (two 512-bit FMA units) bare FMAs ran
 // 161-181 GFLOP/s in zmm against 104-110 in ymm, but the loads do not keep up with one per FMA (a row's
-// broadcast): 12 rows against one block, in L1, ran 75-90 GFLOP/s, against two blocks (32 columns, each
-// broadcast feeding two FMAs) 142-150. So a pass covers two blocks, side by side in the packed weight. Every
-// lane runs the FMAs of the AVX2 passes in the same order (k = 2p, then 2p + 1, the bias added last), so a
-// row's bits are those of a 3- to 6-row AVX2 pass.
-constexpr int kAvx512Rows = 12;  // the rows of a pass: 24 sums, 4 widened halves, the mask, a broadcast
-// Fewer rows go through the AVX2 passes (3 and 4 rows: their 6-8 sums in zmm, two dependent FMAs a K pair
-// each, wait on the FMAs' latency; the AVX2 passes have 8 sums).
-constexpr int kAvx512MinRows = 5;
+// broadcast): 12 rows against one block, in L1, ran 75-90 GFLOP/s, against two blocks (each broadcast
+// feeding two FMAs) 142-150. So a pass covers several blocks, side by side in the packed weight: 8 rows
+// against 3 blocks ran 1.06-1.14x as fast as 12 against 2 from 5 to 96 rows (SmolLM2's linears, alternating
+// builds), as fast at 1024. Every lane runs the FMAs of the AVX2 passes in the same order (k = 2p, then
+// 2p + 1, the bias added last), so a row's bits are those of a 3- to 6-row AVX2 pass.
+constexpr int kAvx512Rows = 8;    // the rows of a pass: 24 sums, 3 widened halves, the mask, a broadcast
+constexpr int kAvx512Blocks = 3;  // the blocks of a pass (all of SmolLM2's block counts are multiples of 3)
+// Fewer rows go through the AVX2 passes (3 rows: 9 sums in zmm, two dependent FMAs a K pair each, wait on
+// the FMAs' latency).
+constexpr int kAvx512MinRows = 4;
 
 // The rows of a pass, x [rows, 2 * pairs] bf16 (rows ldx apart), widened to float32 and interleaved by K pair
 // into out [pairs, rows, 2]: the kernels then reach every broadcast from one pointer (with a pointer a row
@@ -2728,11 +2730,11 @@ __attribute__((noinline)) void store_pass512(const float* sums, int64_t rows, in
     }
 }
 
-// block_kernel_halves_avx2 in zmm: ROWS rows (x interleaved by pair) against NB blocks, the second's lines
-// right after the first's (w + pairs * 2 * kBlock); bias and y cover the NB blocks' columns. kSilu: the sums
-// are up's, and y gets silu(gate) * up, gate's rows NB * kBlock apart (as wide_kernel_avx2). It serves every
-// row count from kAvx512MinRows: a float32 copy of the blocks (the AVX2 build's path from 32 rows) is read
-// from L2 here, two blocks of K = 576 being 72 KB, and ran 1.4x as long as widening them in every pass.
+// block_kernel_halves_avx2 in zmm: ROWS rows (x interleaved by pair) against NB blocks, each block's lines
+// right after the one before's (w + pairs * 2 * kBlock); bias and y cover the NB blocks' columns. kSilu: the
+// sums are up's, and y gets silu(gate) * up, gate's rows NB * kBlock apart (as wide_kernel_avx2). It serves
+// every row count from kAvx512MinRows: a float32 copy of the blocks (the AVX2 build's path from 32 rows) is
+// read from L2 here, two blocks of K = 576 being 72 KB, and ran 1.4x as long as widening them in every pass.
 template <int ROWS, int NB, bool kSilu>
 void halves_kernel_avx512(const at::BFloat16* w, int64_t pairs, const float* x, const float* bias,
                           at::BFloat16* y, int64_t ldy, int64_t cols, const at::BFloat16* gate,
@@ -2740,26 +2742,26 @@ void halves_kernel_avx512(const at::BFloat16* w, int64_t pairs, const float* x, 
   __m512 acc[ROWS][NB];
 #pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t p = 0; p < pairs; ++p) {
     __m512i line[NB];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int b = 0; b < NB; ++b) line[b] = _mm512_loadu_si512(w + (b * pairs + p) * 2 * kBlock);
     _mm_prefetch(fetch + p * fetch_step, _MM_HINT_T1);
     const float* xp = x + p * 2 * ROWS;
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // k = 2p, then 2p + 1
       __m512 half[NB];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int b = 0; b < NB; ++b)
         half[b] =
             _mm512_castsi512_ps(h == 0 ? _mm512_slli_epi32(line[b], 16) : _mm512_and_si512(line[b], high));
 #pragma GCC unroll 16
       for (int r = 0; r < ROWS; ++r) {
         const __m512 xr = _mm512_set1_ps(xp[2 * r + h]);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(half[b], xr, acc[r][b]);
       }
     }
@@ -2767,7 +2769,7 @@ void halves_kernel_avx512(const at::BFloat16* w, int64_t pairs, const float* x, 
   alignas(64) float sums[ROWS][NB][kBlock];
 #pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int b = 0; b < NB; ++b) _mm512_store_ps(sums[r][b], acc[r][b]);
   store_pass512(&sums[0][0][0], ROWS, NB, bias, y, ldy, cols, kSilu ? gate : nullptr);
 }
@@ -2778,9 +2780,12 @@ using PassFnAvx512 = void (*)(const at::BFloat16*, int64_t, const float*, const 
 template <int... R>
 constexpr auto avx512_table(std::integer_sequence<int, R...>) {
   using Rows = std::array<PassFnAvx512, sizeof...(R)>;
-  return std::array<std::array<Rows, 2>, 2>{{
-      {Rows{&halves_kernel_avx512<R + 1, 1, false>...}, Rows{&halves_kernel_avx512<R + 1, 2, false>...}},
-      {Rows{&halves_kernel_avx512<R + 1, 1, true>...}, Rows{&halves_kernel_avx512<R + 1, 2, true>...}},
+  static_assert(kAvx512Blocks == 3);
+  return std::array<std::array<Rows, kAvx512Blocks>, 2>{{
+      {Rows{&halves_kernel_avx512<R + 1, 1, false>...}, Rows{&halves_kernel_avx512<R + 1, 2, false>...},
+       Rows{&halves_kernel_avx512<R + 1, 3, false>...}},
+      {Rows{&halves_kernel_avx512<R + 1, 1, true>...}, Rows{&halves_kernel_avx512<R + 1, 2, true>...},
+       Rows{&halves_kernel_avx512<R + 1, 3, true>...}},
   }};
 }
 constexpr auto kKernelsAvx512 = avx512_table(std::make_integer_sequence<int, kAvx512Rows>{});
@@ -2831,6 +2836,12 @@ inline int64_t avx2_wide_rows(int64_t m, int64_t k) {
 
 // silu: for a gate_up W (n / 2 a multiple of kBlock, gate first), y [m, n / 2] gets silu_mul of the
 // product. Every row must go through the float32 copy (m == avx2_wide_rows(m, k)); see linear_silu.
+#if defined(__AVX512F__)
+constexpr int64_t kMaxWidth = kAvx512Blocks;  // the blocks of a unit of work, at most
+#else
+constexpr int64_t kMaxWidth = 1;
+#endif
+
 void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat16* w, int64_t pairs,
                  int64_t n, const at::BFloat16* bias, at::BFloat16* y, int64_t ldy, bool silu = false) {
   const int64_t blocks = (n + kBlock - 1) / kBlock, k = 2 * pairs;
@@ -2851,9 +2862,10 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
   // start, ran 2-5 % slower at 5-12 rows in a quiet moment: a run read back to front streams worse.
   const int64_t tail_rows = m - wide_groups * group_rows;
   const int64_t streams = tail_rows == 1 ? 4 : (tail_rows == 2 ? 2 : 1);
-  // The runs are of slots of `width` blocks: on AVX-512 a pass of 3 rows or more covers two blocks.
+  // The runs are of slots of `width` blocks: on AVX-512 a pass of kAvx512MinRows rows or more covers
+  // kAvx512Blocks.
 #if defined(__AVX512F__)
-  const int64_t width = tail_rows >= kAvx512MinRows ? 2 : 1;
+  const int64_t width = tail_rows >= kAvx512MinRows ? kAvx512Blocks : 1;
 #else
   const int64_t width = 1;
 #endif
@@ -2920,13 +2932,13 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
       for (int64_t c = 0; bias != nullptr && c < cols; ++c)
         bias_f32[c] = static_cast<float>(bias[j * kBlock + c]);
     };
-    // Slot j's blocks for the rows g0 .. g0 + rows - 1 (of xf) in passes of up to 6 rows (on AVX-512 12),
+    // Slot j's blocks for the rows g0 .. g0 + rows - 1 (of xf) in passes of up to 6 rows (on AVX-512 8),
     // which widen them as they go; dir is -1 where the slots are taken back to front (the slot before is
     // fetched instead of the next).
     const auto block_passes = [&](int64_t j, int64_t g0, int64_t rows, int64_t dir = 1) {
       const int64_t first = j * width, nb = std::min(width, blocks - first);
       int64_t cols;
-      float bias_f32[2 * kBlock];
+      float bias_f32[kMaxWidth * kBlock];
       block_of(first, cols, bias_f32, nb);
 #if defined(__AVX512F__)
       // Even passes of up to kAvx512Rows rows.
@@ -2971,21 +2983,23 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
       }
     };
 #if defined(__AVX512F__)
-    // Groups of rows as below (the AVX2 build's comments), a unit being two blocks (the last one alone where
-    // their count is odd), read by passes of up to 12 rows that widen them as they go: no float32 copy.
-    const int64_t unit_blocks = silu ? blocks / 2 : blocks, units = (unit_blocks + 1) / 2;
+    // Groups of rows as below (the AVX2 build's comments), a unit being kAvx512Blocks blocks (the last one
+    // fewer where their count is not a multiple), read by passes of up to kAvx512Rows rows that widen them as
+    // they go: no float32 copy.
+    const int64_t unit_blocks = silu ? blocks / 2 : blocks,
+                  units = (unit_blocks + kAvx512Blocks - 1) / kAvx512Blocks;
     thread_local std::vector<at::BFloat16> gate;
-    if (silu) gate.resize(std::max<size_t>(gate.size(), group_rows * 2 * kBlock));
+    if (silu) gate.resize(std::max<size_t>(gate.size(), group_rows * kAvx512Blocks * kBlock));
     for (int64_t u = next_unit.fetch_add(1, std::memory_order_relaxed); u < wide_groups * units;
          u = next_unit.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t j = u % units * 2, nb = std::min<int64_t>(2, unit_blocks - j);
+      const int64_t j = u % units * kAvx512Blocks, nb = std::min<int64_t>(kAvx512Blocks, unit_blocks - j);
       int64_t g0, rows;
       load_group(u / units, g0, rows);
       const int64_t passes = (rows + kAvx512Rows - 1) / kAvx512Rows;
       for (int part = 0; part < (silu ? 2 : 1); ++part) {  // with silu gate's blocks, then up's
         const int64_t first = part * unit_blocks + j;
         int64_t cols;
-        float bias_f32[2 * kBlock];
+        float bias_f32[kMaxWidth * kBlock];
         block_of(first, cols, bias_f32, nb);
         const bool to_gate = silu && part == 0;
         // The blocks after these, a 1/passes share of them in each pass.
