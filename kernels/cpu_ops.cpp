@@ -2900,9 +2900,10 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num();
-    thread_local std::vector<float> xf, xt, wide;
+    thread_local std::vector<float> xf;
     xf.resize(std::max<size_t>(xf.size(), std::min(m, group_rows) * k));
 #if defined(__AVX512F__)
+    thread_local std::vector<float> xt;  // x interleaved by K pair for the zmm passes
     xt.resize(xf.size());
 #endif
     int64_t widened = -1;  // the group of rows whose x is in xf
@@ -3022,6 +3023,7 @@ void linear_avx2(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat
     // % of a 2048-row call. A prompt step of 2048 tokens (30 layers), alternating: 3.93 -> 3.57 s and 3.84 ->
     // 3.56 s; the 24-request workload's prompt steps, forward seconds, three alternating pairs of runs:
     // 11.62 / 13.26 -> 11.31 / 11.19, 12.01 / 11.98 -> 10.48 / 10.89, 12.65 / 12.83 -> 11.73 / 10.65.
+    thread_local std::vector<float> wide;
     if (wide_groups > 0) wide.resize(std::max<size_t>(wide.size(), pairs * 2 * kBlock + 8));
     float* const wide_block =  // 32-byte aligned, for whole-ymm loads
         reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wide.data()) + 31) & ~uintptr_t{31});

@@ -379,9 +379,9 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
     # K = 768 and 48 past it, their blocks handed to the threads one at a time (64 rows of K = 96: one
     # group; 128 of K = 64: 96 over widened blocks, then 32; 250: 96, 96 and 58; 60 of K = 1000: 48, then 12
     # in passes of 4; 97 and 98 of K = 96: 96, then the last row as four runs, the last two as two). On
-    # AVX-512 without BF16 the same groups and runs, but from 5 rows even passes of up to 12 rows over two
-    # blocks at once, with no float32 copy (200 columns: 13 blocks, the last alone; 128 rows of K = 64: 96
-    # in eight passes, then 32 in three).
+    # AVX-512 without BF16 the same groups and runs, but from 4 rows even passes of up to 8 rows over three
+    # blocks at once, with no float32 copy (200 columns: 13 blocks, four threes and the last alone; 128 rows
+    # of K = 64: 96 in twelve passes, then 32 in four).
     gen = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
@@ -405,13 +405,13 @@ def test_avx2_linear_gives_a_row_the_same_bits_in_any_pass_from_3_rows(rows, n, 
     # 32 rows passes of 5 and 6 over a block widened once, run the same float32 FMAs in k order: in any of
     # them a row's result is the same (below 32 rows passes of 6, then of up to 4: 10 rows are 6 + 4, 24
     # four of 6; groups of 96 rows up to K = 768, of 48 past it, and what is left: 100 rows are 96 + 4 and
-    # 48 + 48 + 4). On AVX-512 without BF16 the passes of 5 to 12 rows run the same FMAs in zmm, over two
-    # blocks at once (the last alone where the count is odd: n = 200 and 48), 3 and 4 rows as on AVX2 (10
-    # rows are one pass, 24 two of 12, 40 four of 10, 100 of K = 1536 four of 12 twice, then 4). A pass of 1
-    # or 2 rows (alone, or the last of 7, 8, 11, 13, 14 ... rows below 32 on AVX2) runs interleaved sets of
-    # sums, another order. So that any other order shows, x holds +2^40 and -2^40 against equal weights
-    # at k/3 and 2k/3: in k order the sum up to 2k/3 vanishes (absorbed, then cancelled) and only the terms
-    # after it are left.
+    # 48 + 48 + 4). On AVX-512 without BF16 the passes of 4 to 8 rows run the same FMAs in zmm, over three
+    # blocks at once (fewer at the end where the count is not a multiple: n = 200 and 64), 3 rows as on
+    # AVX2 (10 rows are two passes of 5, 24 three of 8, 40 five of 8, 100 of K = 1536 six of 8 twice, then
+    # one of 4). A pass of 1 or 2 rows (alone, or the last of 7, 8, 11, 13, 14 ... rows below 32 on AVX2)
+    # runs interleaved sets of sums, another order. So that any other order shows, x holds +2^40 and -2^40
+    # against equal weights at k/3 and 2k/3: in k order the sum up to 2k/3 vanishes (absorbed, then
+    # cancelled) and only the terms after it are left.
     gen = torch.Generator().manual_seed(rows + n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
