@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 
 import grpc
 import pytest
@@ -23,6 +24,7 @@ from worker_testing import (
 
 from pagedserve.grpc_utils import CHANNEL_OPTIONS, add_health_and_reflection, set_serving
 from pagedserve.proto import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pagedserve.worker_svc import server as worker_server
 from pagedserve.worker_svc.config import WorkerConfig, parse_bytes
 from pagedserve.worker_svc.kv_cache import KVCacheSpec, resolve_num_blocks
 from pagedserve.worker_svc.server import SERVICE_NAME, WorkerServer, load_worker
@@ -98,6 +100,38 @@ async def test_steps_stream_returns_one_result_per_plan_in_order(model_dir):
     assert (info.vocab_size, info.num_layers, info.num_kv_heads, info.head_dim) == (TINY_VOCAB, 2, 2, 16)
     assert info.block_bytes == 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
     assert list(info.eos_token_ids) == [EOS] and info.max_model_len == 256
+
+
+@pytest.mark.anyio
+async def test_the_model_loads_on_the_thread_that_runs_every_step(model_dir, monkeypatch):
+    # One thread opens every OpenMP parallel region of the process: a second thread that did (the load)
+    # would keep a second team of OpenMP threads, and libgomp would then all but stop spinning between
+    # regions (see server.compute_thread).
+    threads: dict[str, set[int]] = {"load": set(), "steps": set()}
+
+    def load(config):
+        threads["load"].add(threading.get_ident())
+        return load_worker(config)
+
+    monkeypatch.setattr(worker_server, "load_worker", load)
+    server = await WorkerServer.load(worker_config(model_dir), max_register_backoff=0.5)
+    runner = server.loaded.runner
+    execute = runner.execute
+
+    def traced_execute(*args):
+        threads["steps"].add(threading.get_ident())
+        return execute(*args)
+
+    runner.execute = traced_execute
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as ch:
+            results = await steps(worker_pb2_grpc.WorkerStub(ch), [first_plan(), decode_plan(2)])
+    finally:
+        await server.stop(grace=None)
+    assert [r.step_id for r in results] == [1, 2]
+    assert len(threads["load"]) == 1 and threads["steps"] == threads["load"]
+    assert threading.get_ident() not in threads["load"]  # not the event loop's
 
 
 @pytest.mark.anyio

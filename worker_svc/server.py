@@ -1,8 +1,9 @@
 """The worker process: the Worker gRPC service over a ModelRunner, health, reflection, registration.
 
-The model runs in one dedicated thread. A reader task takes plans off the Steps stream as soon as
-they arrive (stamping their arrival for StepTimings.idle_seconds) while the thread computes the
-previous one, so with a pipelining scheduler the next plan is already waiting when a step ends.
+The model loads and runs in one dedicated thread (compute_thread). A reader task takes plans off the
+Steps stream as soon as they arrive (stamping their arrival for StepTimings.idle_seconds) while the
+thread computes the previous one, so with a pipelining scheduler the next plan is already waiting when
+a step ends.
 
     pagedserve worker --model default --scheduler scheduler:50050
 """
@@ -100,16 +101,36 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
     return LoadedWorker(runner, info)
 
 
+def compute_thread() -> ThreadPoolExecutor:
+    """The one thread that runs a worker's torch work: loading the model and the KV pool, then every
+    step, strictly in order.
+
+    NOTE: libgomp gives each thread that opens a parallel region a team of OpenMP threads of its own,
+    which lives as long as that thread. With more OpenMP threads in the process than cores, libgomp's
+    waiting threads spin 100 times instead of 300,000 before they sleep in the kernel (GOMP_SPINCOUNT),
+    so that each of the ~150 parallel regions of a decode step has to wake them. Loaded on an asyncio
+    thread and run on this one, a worker had two teams on 2 cores, and its forward pass took 20-23 ms
+    where the offline LLM's (one thread) took 15.2-15.7 on the same model. `make serve`, then `pagedserve
+    bench serve` at concurrency 1 (128 tokens in, 128 out), 2-core Zen 3, alternating old and new: median
+    time per output token 27.8 and 25.5 ms -> 23.0 and 22.4 ms; at concurrency 16 (256 in, 64 out) 79.1
+    and 80.7 -> 78.7 and 85.3 output tokens/s, within that machine's noise.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-forward")
+
+
 _END = object()
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, runner: ModelRunner, info: worker_pb2.ModelInfo):
+    def __init__(
+        self, runner: ModelRunner, info: worker_pb2.ModelInfo, executor: ThreadPoolExecutor | None = None
+    ):
         self.runner = runner
         self.info = info
-        # NOTE: one thread: plans execute strictly in order, and the asyncio loop stays free to
-        # receive the next plan (and answer health checks) while a forward pass runs.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-forward")
+        # NOTE: one thread (the one that loaded the runner, see compute_thread): plans execute strictly
+        # in order, and the asyncio loop stays free to receive the next plan (and answer health checks)
+        # while a forward pass runs.
+        self.executor = executor or compute_thread()
         # One span per request while it is here (only for requests that arrive with a trace context).
         self.spans = RequestSpans()
 
@@ -268,17 +289,35 @@ async def _first_of(*coroutines) -> None:
 class WorkerServer:
     """The worker's gRPC server and its registration task."""
 
-    def __init__(self, config: WorkerConfig, loaded: LoadedWorker, max_register_backoff: float = 10.0):
+    def __init__(
+        self,
+        config: WorkerConfig,
+        loaded: LoadedWorker,
+        max_register_backoff: float = 10.0,
+        executor: ThreadPoolExecutor | None = None,
+    ):
         self.config = config
         self.loaded = loaded
         self.max_register_backoff = max_register_backoff
-        self.servicer = WorkerServicer(loaded.runner, loaded.info)
+        self.servicer = WorkerServicer(loaded.runner, loaded.info, executor)
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
         self.port = 0
         self.registrar: Registrar | None = None
         self._register_task: asyncio.Task | None = None
+
+    @classmethod
+    async def load(cls, config: WorkerConfig, max_register_backoff: float = 10.0) -> WorkerServer:
+        """A server over the model config names, loaded on the thread that will run its steps (see
+        compute_thread)."""
+        executor = compute_thread()
+        try:
+            loaded = await asyncio.get_running_loop().run_in_executor(executor, load_worker, config)
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        return cls(config, loaded, max_register_backoff, executor)
 
     @property
     def address(self) -> str:
@@ -336,9 +375,8 @@ async def serve(config: WorkerConfig) -> None:
     if config.threads is not None:
         # NOTE: before any forward pass: torch's worker threads take the count when they first run.
         torch.set_num_threads(config.threads)
-    loaded = await asyncio.to_thread(load_worker, config)
+    server = await WorkerServer.load(config)
     freeze_startup_objects()
-    server = WorkerServer(config, loaded)
     await server.start()
     stop = stop_on_signals()
     await stop.wait()
