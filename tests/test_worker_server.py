@@ -53,8 +53,7 @@ def worker_config(model_dir, **overrides) -> WorkerConfig:
 
 
 async def start_worker(model_dir, **overrides) -> WorkerServer:
-    config = worker_config(model_dir, **overrides)
-    server = WorkerServer(config, load_worker(config), max_register_backoff=0.5)
+    server = await WorkerServer.load(worker_config(model_dir, **overrides), max_register_backoff=0.5)
     await server.start()
     return server
 
