@@ -125,6 +125,10 @@ class EngineStatsCollector(Collector):
                     "Seconds the worker waited for its next plan after finishing one.",
                     lambda w: w.mean_idle_seconds * w.num_steps,
                 ),
+                "worker_forward_seconds": (
+                    "Seconds of forward pass (the model alone, of worker_step_seconds).",
+                    lambda w: w.mean_forward_seconds * w.num_steps,
+                ),
             }
             for base, (doc, value) in per_worker.items():
                 family = CounterMetricFamily(f"pagedserve:{base}", doc, labels=["worker_id"])

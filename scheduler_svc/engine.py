@@ -449,6 +449,7 @@ class Engine:
                     num_steps=worker.counters.num_steps,
                     mean_step_seconds=worker.counters.mean_step_seconds,
                     mean_idle_seconds=worker.counters.mean_idle_seconds,
+                    mean_forward_seconds=worker.counters.mean_forward_seconds,
                 )
             )
             if worker.healthy:

@@ -62,6 +62,8 @@ class WorkerCounters:
     num_steps: int = 0
     # Forward plus sampling seconds, summed over the steps.
     step_seconds: float = 0.0
+    # The forward passes' share of step_seconds.
+    forward_seconds: float = 0.0
     # Seconds the worker waited for a plan, summed over the steps.
     idle_seconds: float = 0.0
     # Tokens computed, summed over the steps.
@@ -70,12 +72,17 @@ class WorkerCounters:
     def observe(self, timings: worker_pb2.StepTimings) -> None:
         self.num_steps += 1
         self.step_seconds += timings.forward_seconds + timings.sample_seconds
+        self.forward_seconds += timings.forward_seconds
         self.idle_seconds += timings.idle_seconds
         self.num_tokens += timings.num_tokens
 
     @property
     def mean_step_seconds(self) -> float:
         return self.step_seconds / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def mean_forward_seconds(self) -> float:
+        return self.forward_seconds / self.num_steps if self.num_steps else 0.0
 
     @property
     def mean_idle_seconds(self) -> float:

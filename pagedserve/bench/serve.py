@@ -49,21 +49,29 @@ class WorkerTime:
     steps: float = 0.0
     step_seconds: float = 0.0  # forward pass and sampling
     idle_seconds: float = 0.0  # waiting for the next plan after finishing one
+    forward_seconds: float | None = None  # the forward passes' share of step_seconds (None: not exposed)
 
     def __sub__(self, other: WorkerTime) -> WorkerTime:
+        forward = None
+        if self.forward_seconds is not None and other.forward_seconds is not None:
+            forward = self.forward_seconds - other.forward_seconds
         return WorkerTime(
             self.steps - other.steps,
             self.step_seconds - other.step_seconds,
             self.idle_seconds - other.idle_seconds,
+            forward,
         )
 
     def describe(self) -> str:
         if self.steps <= 0:
             return "worker idle between steps: no steps"
         step_ms, idle_ms = self.step_seconds / self.steps * 1e3, self.idle_seconds / self.steps * 1e3
+        forward = ""
+        if self.forward_seconds is not None:
+            forward = f"; forward pass {self.forward_seconds / self.steps * 1e3:.1f} ms a step"
         return (
             f"worker idle between steps: {idle_ms:.2f} ms per step against {step_ms:.1f} ms steps "
-            f"({idle_ms / step_ms:.1%} of the step time; {self.steps:.0f} steps)"
+            f"({idle_ms / step_ms:.1%} of the step time{forward}; {self.steps:.0f} steps)"
         )
 
 
@@ -77,7 +85,8 @@ class PassResult:
 
 
 def scrape_worker_time(base_url: str, api_key: str | None = None) -> WorkerTime | None:
-    """The pagedserve:worker_* counters of the server's /metrics; None for a server without all three."""
+    """The pagedserve:worker_* counters of the server's /metrics; None for a server without the steps,
+    their seconds and the idle seconds (the forward passes' seconds are optional)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -91,6 +100,7 @@ def scrape_worker_time(base_url: str, api_key: str | None = None) -> WorkerTime 
         "pagedserve:worker_steps": "steps",
         "pagedserve:worker_step_seconds": "step_seconds",
         "pagedserve:worker_idle_seconds": "idle_seconds",
+        "pagedserve:worker_forward_seconds": "forward_seconds",
     }
     found, total = set(), WorkerTime()
     for family in text_string_to_metric_families(response.text):
@@ -100,8 +110,8 @@ def scrape_worker_time(base_url: str, api_key: str | None = None) -> WorkerTime 
         found.add(field)
         for sample in family.samples:
             if sample.name.endswith("_total"):
-                setattr(total, field, getattr(total, field) + sample.value)
-    return total if len(found) == len(fields) else None
+                setattr(total, field, (getattr(total, field) or 0.0) + sample.value)
+    return total if found >= {"steps", "step_seconds", "idle_seconds"} else None
 
 
 def arrival_times(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
