@@ -122,15 +122,12 @@ _END = object()
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(
-        self, runner: ModelRunner, info: worker_pb2.ModelInfo, executor: ThreadPoolExecutor | None = None
-    ):
+    def __init__(self, runner: ModelRunner, info: worker_pb2.ModelInfo, executor: ThreadPoolExecutor):
         self.runner = runner
         self.info = info
-        # NOTE: one thread (the one that loaded the runner, see compute_thread): plans execute strictly
-        # in order, and the asyncio loop stays free to receive the next plan (and answer health checks)
-        # while a forward pass runs.
-        self.executor = executor or compute_thread()
+        # NOTE: the compute_thread that loaded the runner: plans execute strictly in order, and the asyncio
+        # loop stays free to receive the next plan (and answer health checks) while a forward pass runs.
+        self.executor = executor
         # One span per request while it is here (only for requests that arrive with a trace context).
         self.spans = RequestSpans()
 
@@ -287,14 +284,15 @@ async def _first_of(*coroutines) -> None:
 
 
 class WorkerServer:
-    """The worker's gRPC server and its registration task."""
+    """The worker's gRPC server and its registration task. WorkerServer.load makes one: `loaded` must
+    come from the `executor` thread that will run its steps (see compute_thread)."""
 
     def __init__(
         self,
         config: WorkerConfig,
         loaded: LoadedWorker,
+        executor: ThreadPoolExecutor,
         max_register_backoff: float = 10.0,
-        executor: ThreadPoolExecutor | None = None,
     ):
         self.config = config
         self.loaded = loaded
@@ -317,7 +315,7 @@ class WorkerServer:
         except BaseException:
             executor.shutdown(wait=False)
             raise
-        return cls(config, loaded, max_register_backoff, executor)
+        return cls(config, loaded, executor, max_register_backoff)
 
     @property
     def address(self) -> str:
