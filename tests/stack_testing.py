@@ -26,6 +26,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.grpc_utils import PLAINTEXT, TLSConfig, open_sync_channel
+from pagedserve.launcher import worker_threads
 from pagedserve.proto import engine_pb2, engine_pb2_grpc
 
 LOOPBACK = "127.0.0.1"
@@ -179,6 +180,8 @@ class Stack:
         args = ["worker", "--model", str(self.model_dir), "--host", LOOPBACK, "--port", "0"]
         args += ["--scheduler", self.engine_address, "--worker-id", worker_id, "--dtype", "float32"]
         args += ["--device", "cpu", "--num-blocks", str(self.num_blocks), "--log-level", "info"]
+        if (threads := worker_threads(None, self.num_workers)) is not None:
+            args += ["--threads", str(threads)]
         args += self.tls_args or []
         self.workers[worker_id] = self._spawn_service(args, worker_id)
 

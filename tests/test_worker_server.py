@@ -302,15 +302,22 @@ def test_threads_flag_defaults_to_torchs_choice_and_must_be_positive():
         WorkerConfig.from_args(["--threads", "0"], env={})
 
 
-def test_launcher_passes_threads_to_every_worker_only_when_given():
+def test_launcher_shares_the_cores_out_among_several_workers_unless_threads_are_given(monkeypatch):
     from pagedserve.launcher import LaunchConfig, _child_args, build_parser
 
-    def worker_args(*argv):
-        config = LaunchConfig(**vars(build_parser().parse_args(["--workers", "2", *argv])))
-        return _child_args(config, "/m", "127.0.0.1:1", 1)[1]
+    def threads(*argv):
+        config = LaunchConfig(**vars(build_parser().parse_args(argv)))
+        workers = _child_args(config, "/m", "127.0.0.1:1", 1)[1]
+        return [args[args.index("--threads") + 1] if "--threads" in args else None for args in workers]
 
-    assert all(args[args.index("--threads") + 1] == "1" for args in worker_args("--threads", "1"))
-    assert all("--threads" not in args for args in worker_args())
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    # One worker keeps torch's default (a thread per core); several share the cores, none with fewer than one.
+    assert threads() == [None]
+    assert threads("--workers", "2") == ["4", "4"]
+    assert threads("--workers", "3") == ["2", "2", "2"]
+    assert threads("--workers", "16") == ["1"] * 16
+    assert threads("--workers", "2", "--threads", "3") == ["3", "3"]
+    assert threads("--threads", "1") == ["1"]
 
 
 @pytest.mark.parametrize(
