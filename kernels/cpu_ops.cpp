@@ -8,11 +8,20 @@
 // PyTorch formulas in reference.py round, so in bf16 they agree bit for bit with them except for the
 // order of the sums inside RMSNorm and attention.
 //
-// Built once per machine by kernels/cpu_ops.py (torch.utils.cpp_extension, with -march=native).
+// Built once per machine by kernels/cpu_ops.py (torch.utils.cpp_extension, with -march=native), with the
+// Python bindings of kernels/cpu_bindings.cpp.
 
+#include "cpu_ops.h"
+
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <omp.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <array>
@@ -3540,34 +3549,77 @@ class DecoderStack {
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pagedserve CPU kernels: paged attention and fused decoder ops";
-  m.def("paged_attention_", &paged_attention_,
-        "Causal attention of a flat token batch over the paged KV cache");
-  m.def("argmax_rows", &argmax_rows, "Index of the largest value of each row (as torch.argmax)");
-  m.def("copy_blocks_", &copy_blocks_, "Block src[i] to dst[i] in every cache, in order");
-  m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up [..., 2 * I], gate first");
-  m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of x");
-  m.def("rotary_write_kv_", &rotary_write_kv_, "RoPE on q and k in place, then k and v into the cache");
-  m.def("pack_linear_weight", &pack_linear_weight, "Pack an nn.Linear weight [N, K] bf16 for linear");
-  m.def("linear", &linear, "y = x @ W^T + bias with W packed by pack_linear_weight; n is W's N");
-  m.def("linear_silu", &linear_silu,
-        "silu_mul(linear(x, packed, 2 * size, bias)) without the [..., 2 * size] intermediate");
-  m.def("has_linear", &has_linear, "Whether this build has linear (AVX-512 BF16, or AVX2 with FMA)");
-  py::class_<DecoderStack>(m, "DecoderStack", "A decoder's layers run in one call (see model.CausalLM)")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>(),
-           py::arg("hidden"), py::arg("intermediate"), py::arg("num_heads"), py::arg("num_kv_heads"),
-           py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("min_tile_lanes"),
-           py::arg("final_norm"))
-      .def("add_layer", &DecoderStack::add_layer, py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"),
-           py::arg("o_bias"), py::arg("gate_up"), py::arg("gate_up_bias"), py::arg("down"),
-           py::arg("down_bias"), py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("q_norm"),
-           py::arg("k_norm"))
-      .def("forward_tokens", &DecoderStack::forward_tokens,
-           "forward over token ids and positions, with the embedding and RoPE table rows gathered here",
-           py::arg("input_ids"), py::arg("positions"), py::arg("embedding"), py::arg("rope_table"),
-           py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"),
-           py::arg("query_start_loc"), py::arg("context_lens"), py::arg("output_rows") = py::none())
-      .def_property_readonly("num_layers", &DecoderStack::num_layers);
+// ---- the interface (cpu_ops.h) ---------------------------------------------------------------------------
+// The kernels above keep internal linkage (GCC inlines a local function called once, and drops the ones
+// the build does not use); these forward to them.
+
+namespace pagedserve::cpu {
+
+std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                                      double scale, int64_t max_pairs, int64_t min_tile_lanes) {
+  return ::paged_attention_(out, query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                            max_pairs, min_tile_lanes);
 }
+at::Tensor argmax_rows(const at::Tensor& x) { return ::argmax_rows(x); }
+void copy_blocks_(const std::vector<at::Tensor>& caches, const at::Tensor& src, const at::Tensor& dst) {
+  ::copy_blocks_(caches, src, dst);
+}
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return ::rms_norm(x, weight, eps);
+}
+at::Tensor silu_mul(const at::Tensor& gate_up) { return ::silu_mul(gate_up); }
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  return ::add_rms_norm_(x, delta, weight, eps);
+}
+void rotary_write_kv_(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  ::rotary_write_kv_(qk, v, cos, sin, k_cache, v_cache, slot_mapping);
+}
+at::Tensor pack_linear_weight(const at::Tensor& weight) { return ::pack_linear_weight(weight); }
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                  const c10::optional<at::Tensor>& bias) {
+  return ::linear(x, packed, n, bias);
+}
+at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t size,
+                       const c10::optional<at::Tensor>& bias) {
+  return ::linear_silu(x, packed, size, bias);
+}
+bool has_linear() { return ::has_linear(); }
+
+class DecoderStack::Impl : public ::DecoderStack {
+ public:
+  using ::DecoderStack::DecoderStack;
+};
+
+DecoderStack::DecoderStack(int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, double eps, double scale, int64_t min_tile_lanes,
+                           at::Tensor final_norm)
+    : impl_(std::make_unique<Impl>(hidden, intermediate, num_heads, num_kv_heads, head_dim, eps, scale,
+                                   min_tile_lanes, std::move(final_norm))) {}
+DecoderStack::~DecoderStack() = default;
+
+void DecoderStack::add_layer(at::Tensor qkv, c10::optional<at::Tensor> qkv_bias, at::Tensor o,
+                             c10::optional<at::Tensor> o_bias, at::Tensor gate_up,
+                             c10::optional<at::Tensor> gate_up_bias, at::Tensor down,
+                             c10::optional<at::Tensor> down_bias, at::Tensor input_norm,
+                             at::Tensor post_attention_norm, c10::optional<at::Tensor> q_norm,
+                             c10::optional<at::Tensor> k_norm) {
+  impl_->add_layer(std::move(qkv), std::move(qkv_bias), std::move(o), std::move(o_bias), std::move(gate_up),
+                   std::move(gate_up_bias), std::move(down), std::move(down_bias), std::move(input_norm),
+                   std::move(post_attention_norm), std::move(q_norm), std::move(k_norm));
+}
+at::Tensor DecoderStack::forward_tokens(const at::Tensor& input_ids, const at::Tensor& positions,
+                                        const at::Tensor& embedding, const at::Tensor& rope_table,
+                                        const std::vector<at::Tensor>& k_caches,
+                                        const std::vector<at::Tensor>& v_caches,
+                                        const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                        const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                                        const c10::optional<at::Tensor>& output_rows) const {
+  return impl_->forward_tokens(input_ids, positions, embedding, rope_table, k_caches, v_caches, slot_mapping,
+                               block_tables, query_start_loc, context_lens, output_rows);
+}
+int64_t DecoderStack::num_layers() const { return impl_->num_layers(); }
+
+}  // namespace pagedserve::cpu

@@ -1,6 +1,6 @@
 """CPU implementation of the kernel ops: kernels/cpu_ops.cpp, built for this machine on first use.
 
-The extension is compiled with torch.utils.cpp_extension (g++ and ninja, about 30 s) with -march=native,
+The extension is compiled with torch.utils.cpp_extension (g++ and ninja, about a minute) with -march=native,
 once per machine and source version, into torch's extension cache (TORCH_EXTENSIONS_DIR, by default
 ~/.cache/torch_extensions; `make install` builds it ahead of time). The build is named after this CPU's
 feature flags and the source (`build_name`), so a cache shared with another CPU or another checkout
@@ -46,7 +46,11 @@ __all__ = [
     "write_kv",
 ]
 
+# The kernels (every instruction set's branches; ATen's core headers only), their interface, and their
+# Python bindings (torch/extension.h), compiled as two translation units.
 SOURCE = Path(__file__).resolve().parent / "cpu_ops.cpp"
+HEADER = SOURCE.with_suffix(".h")
+BINDINGS = SOURCE.with_name("cpu_bindings.cpp")
 # NOTE: no fused multiply-adds: x * c + y * s must round each product as PyTorch does (bitwise the same
 # RoPE); the kernels are bound by memory traffic, not by the extra add.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
@@ -75,7 +79,8 @@ def build_name() -> str:
         cpu = "\n".join([line for line in lines if line.startswith(("flags", "model name"))][:2])
     except OSError:
         cpu = ""
-    key = "\0".join([cpu or torch.backends.cpu.get_cpu_capability(), SOURCE.read_text(), *CFLAGS])
+    sources = [path.read_text() for path in (SOURCE, HEADER, BINDINGS)]
+    key = "\0".join([cpu or torch.backends.cpu.get_cpu_capability(), *sources, *CFLAGS])
     return f"pagedserve_cpu_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
@@ -90,9 +95,15 @@ def load() -> ModuleType:
     log = get_logger(__name__)
     name = build_name()
     started = time.monotonic()
-    log.info("cpu_kernels_loading", name=name, note="compiled once per machine, about 30 s the first time")
+    log.info(
+        "cpu_kernels_loading", name=name, note="compiled once per machine, about a minute the first time"
+    )
     module = cpp_extension.load(
-        name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False
+        name=name,
+        sources=[str(SOURCE), str(BINDINGS)],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
     )
     log.info("cpu_kernels_ready", name=name, seconds=round(time.monotonic() - started, 1))
     return module

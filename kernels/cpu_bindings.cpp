@@ -1,0 +1,40 @@
+// Python bindings of the CPU kernels (kernels/cpu_ops.cpp, interface in cpu_ops.h), compiled with them by
+// kernels/cpu_ops.py.
+
+#include <torch/extension.h>
+
+#include "cpu_ops.h"
+
+namespace ps = pagedserve::cpu;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pagedserve CPU kernels: paged attention and fused decoder ops";
+  m.def("paged_attention_", &ps::paged_attention_,
+        "Causal attention of a flat token batch over the paged KV cache");
+  m.def("argmax_rows", &ps::argmax_rows, "Index of the largest value of each row (as torch.argmax)");
+  m.def("copy_blocks_", &ps::copy_blocks_, "Block src[i] to dst[i] in every cache, in order");
+  m.def("rms_norm", &ps::rms_norm, "RMSNorm of the rows of x");
+  m.def("silu_mul", &ps::silu_mul, "silu(gate) * up of gate_up [..., 2 * I], gate first");
+  m.def("add_rms_norm_", &ps::add_rms_norm_, "x += delta in place, then RMSNorm of x");
+  m.def("rotary_write_kv_", &ps::rotary_write_kv_, "RoPE on q and k in place, then k and v into the cache");
+  m.def("pack_linear_weight", &ps::pack_linear_weight, "Pack an nn.Linear weight [N, K] bf16 for linear");
+  m.def("linear", &ps::linear, "y = x @ W^T + bias with W packed by pack_linear_weight; n is W's N");
+  m.def("linear_silu", &ps::linear_silu,
+        "silu_mul(linear(x, packed, 2 * size, bias)) without the [..., 2 * size] intermediate");
+  m.def("has_linear", &ps::has_linear, "Whether this build has linear (AVX-512 BF16, or AVX2 with FMA)");
+  py::class_<ps::DecoderStack>(m, "DecoderStack", "A decoder's layers run in one call (see model.CausalLM)")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>(),
+           py::arg("hidden"), py::arg("intermediate"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("min_tile_lanes"),
+           py::arg("final_norm"))
+      .def("add_layer", &ps::DecoderStack::add_layer, py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"),
+           py::arg("o_bias"), py::arg("gate_up"), py::arg("gate_up_bias"), py::arg("down"),
+           py::arg("down_bias"), py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("q_norm"),
+           py::arg("k_norm"))
+      .def("forward_tokens", &ps::DecoderStack::forward_tokens,
+           "forward over token ids and positions, with the embedding and RoPE table rows gathered here",
+           py::arg("input_ids"), py::arg("positions"), py::arg("embedding"), py::arg("rope_table"),
+           py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"),
+           py::arg("query_start_loc"), py::arg("context_lens"), py::arg("output_rows") = py::none())
+      .def_property_readonly("num_layers", &ps::DecoderStack::num_layers);
+}

@@ -1,0 +1,64 @@
+// The CPU kernels' interface (kernels/cpu_ops.cpp), which kernels/cpu_bindings.cpp binds for Python.
+//
+// NOTE: the kernels include ATen's core headers only, and the bindings torch/extension.h (pybind11 and
+// all of torch's Python API, about two thirds of a compile of the kernels at -O0): the test suite
+// compiles the kernels for every instruction set without it (tests/test_kernels_cpu.py).
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace pagedserve::cpu {
+
+// Causal attention of a flat token batch over the paged KV cache; returns the bad block ids it met.
+std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                                      double scale, int64_t max_pairs, int64_t min_tile_lanes);
+at::Tensor argmax_rows(const at::Tensor& x);
+void copy_blocks_(const std::vector<at::Tensor>& caches, const at::Tensor& src, const at::Tensor& dst);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps);
+void rotary_write_kv_(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping);
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                  const c10::optional<at::Tensor>& bias);
+at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t size,
+                       const c10::optional<at::Tensor>& bias);
+bool has_linear();
+
+// A decoder's layers run in one call (see the kernels' DecoderStack).
+class DecoderStack {
+ public:
+  DecoderStack(int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads,
+               int64_t head_dim, double eps, double scale, int64_t min_tile_lanes, at::Tensor final_norm);
+  ~DecoderStack();
+  DecoderStack(const DecoderStack&) = delete;
+  DecoderStack& operator=(const DecoderStack&) = delete;
+
+  void add_layer(at::Tensor qkv, c10::optional<at::Tensor> qkv_bias, at::Tensor o,
+                 c10::optional<at::Tensor> o_bias, at::Tensor gate_up, c10::optional<at::Tensor> gate_up_bias,
+                 at::Tensor down, c10::optional<at::Tensor> down_bias, at::Tensor input_norm,
+                 at::Tensor post_attention_norm, c10::optional<at::Tensor> q_norm,
+                 c10::optional<at::Tensor> k_norm);
+  at::Tensor forward_tokens(const at::Tensor& input_ids, const at::Tensor& positions,
+                            const at::Tensor& embedding, const at::Tensor& rope_table,
+                            const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                            const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                            const c10::optional<at::Tensor>& output_rows) const;
+  int64_t num_layers() const;
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace pagedserve::cpu
