@@ -241,21 +241,36 @@ def test_packed_linear_equals_linear_bit_for_bit(rows, bias):
     assert torch.equal(PackedLinear(linear.weight, linear.bias)(x), linear(x))
 
 
-@needs_packing
-@pytest.mark.parametrize("family", ["qwen2_qkv_bias_tied", "mistral_untied"])
-def test_bf16_loader_packs_linears_without_changing_the_logits(tmp_path, monkeypatch, family):
+def _packed_and_plain_logits(tmp_path, monkeypatch, family: str, dtype: torch.dtype) -> list[torch.Tensor]:
+    """A prompt's and a decode step's logits, with the loader's packed linears and with nn.Linear."""
     _save_tiny_hf_model(FAMILIES[family](), tmp_path)
-    packed = load_model(tmp_path, torch.bfloat16, "cpu")
+    packed = load_model(tmp_path, dtype, "cpu")
     assert not any(type(m) is torch.nn.Linear for m in packed.modules())
+    assert (packed.lm_head is None) == (packed.tied_head is not None)
     monkeypatch.setattr(loader, "can_pack_linears", lambda *_: False)
-    plain = load_model(tmp_path, torch.bfloat16, "cpu")
+    plain = load_model(tmp_path, dtype, "cpu")
     tokens = [torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(3))]
     logits = []
     for model in (packed, plain):
         cache = PagedCache(model, 1, block_size=4)
         prefill = cache.run(model, tokens, [(0, 0, 11)])
         logits.append(torch.cat([prefill, cache.run(model, tokens, [(0, 11, 12)])]))
-    assert torch.equal(logits[0], logits[1])
+    return logits
+
+
+@needs_packing
+@pytest.mark.parametrize("family", ["qwen2_qkv_bias_tied", "mistral_untied"])
+def test_bf16_loader_packs_linears_without_changing_the_logits(tmp_path, monkeypatch, family):
+    packed, plain = _packed_and_plain_logits(tmp_path, monkeypatch, family, torch.bfloat16)
+    assert torch.equal(packed, plain)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("family", ["qwen2_qkv_bias_tied", "mistral_untied"])
+def test_float32_loader_packs_linears_for_onednn_and_keeps_the_logits(tmp_path, monkeypatch, family):
+    # oneDNN sums in another order than MKL's sgemm: the same logits to float32 rounding, not the same bits.
+    packed, plain = _packed_and_plain_logits(tmp_path, monkeypatch, family, torch.float32)
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
 
 
 @needs_packing
