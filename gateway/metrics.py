@@ -129,6 +129,11 @@ class EngineStatsCollector(Collector):
                     "Seconds of forward pass (the model alone, of worker_step_seconds).",
                     lambda w: w.mean_forward_seconds * w.num_steps,
                 ),
+                "worker_gap_seconds": (
+                    "Seconds from the end of one step to the start of the next (worker_idle_seconds and "
+                    "the worker's hand-over of results and plans between its threads).",
+                    lambda w: w.mean_gap_seconds * w.num_steps,
+                ),
             }
             for base, (doc, value) in per_worker.items():
                 family = CounterMetricFamily(f"pagedserve:{base}", doc, labels=["worker_id"])

@@ -73,18 +73,20 @@ class PromptLogprobs(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., start_position: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("idle_seconds", "prepare_seconds", "forward_seconds", "sample_seconds", "num_tokens")
+    __slots__ = ("idle_seconds", "prepare_seconds", "forward_seconds", "sample_seconds", "num_tokens", "gap_seconds")
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREPARE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     idle_seconds: float
     prepare_seconds: float
     forward_seconds: float
     sample_seconds: float
     num_tokens: int
-    def __init__(self, idle_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    gap_seconds: float
+    def __init__(self, idle_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., num_tokens: _Optional[int] = ..., gap_seconds: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled_slots", "sampled_token_ids", "sampled_logprobs", "sampled_ranks", "num_top_logprobs", "top_token_ids", "top_logprobs", "prompt_logprobs", "timings")

@@ -450,6 +450,7 @@ class Engine:
                     mean_step_seconds=worker.counters.mean_step_seconds,
                     mean_idle_seconds=worker.counters.mean_idle_seconds,
                     mean_forward_seconds=worker.counters.mean_forward_seconds,
+                    mean_gap_seconds=worker.counters.mean_gap_seconds,
                 )
             )
             if worker.healthy:

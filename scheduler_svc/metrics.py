@@ -66,6 +66,8 @@ class WorkerCounters:
     forward_seconds: float = 0.0
     # Seconds the worker waited for a plan, summed over the steps.
     idle_seconds: float = 0.0
+    # Seconds from the end of one step to the start of the next (the idle seconds and the hand-over).
+    gap_seconds: float = 0.0
     # Tokens computed, summed over the steps.
     num_tokens: int = 0
 
@@ -74,6 +76,7 @@ class WorkerCounters:
         self.step_seconds += timings.forward_seconds + timings.sample_seconds
         self.forward_seconds += timings.forward_seconds
         self.idle_seconds += timings.idle_seconds
+        self.gap_seconds += timings.gap_seconds
         self.num_tokens += timings.num_tokens
 
     @property
@@ -87,6 +90,10 @@ class WorkerCounters:
     @property
     def mean_idle_seconds(self) -> float:
         return self.idle_seconds / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def mean_gap_seconds(self) -> float:
+        return self.gap_seconds / self.num_steps if self.num_steps else 0.0
 
 
 @dataclass(slots=True)

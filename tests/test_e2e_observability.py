@@ -173,12 +173,14 @@ def test_bench_serve_prints_how_long_the_worker_waited_between_steps(
     assert code == 0
     out = capsys.readouterr().out
     assert "worker idle between steps:" in out and "of the step time; forward pass " in out
+    assert "from the end of one step to the start of the next" in out
     worker = json.loads((tmp_path / "run.json").read_text())["passes"][0]["worker"]
     assert worker is not None, "the stack's /metrics lacks a pagedserve:worker_* counter"
     # Two requests of 8 tokens take at least 8 steps; the counters behind it are /metrics' own.
     assert worker["steps"] >= 8 and worker["step_seconds"] > 0 and worker["idle_seconds"] >= 0
-    # The forward passes are the step less sampling.
+    # The forward passes are the step less sampling; the gaps hold the idle time and more.
     assert 0 < worker["forward_seconds"] < worker["step_seconds"]
+    assert worker["gap_seconds"] >= worker["idle_seconds"] and worker["gap_seconds"] > 0
     after = stack.scrape()
     steps = [k for k in after if k.startswith("pagedserve:worker_steps_total[worker_id=")]
     assert steps and sum(after[k] - before.get(k, 0.0) for k in steps) >= worker["steps"]

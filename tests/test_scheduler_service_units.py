@@ -61,13 +61,22 @@ def test_histogram_is_cumulative_with_le_buckets():
     assert proto.count == 4 and proto.sum == pytest.approx(5.65)
 
 
-def test_worker_counters_average_step_forward_and_idle_time():
+def test_worker_counters_average_step_forward_idle_and_gap_time():
     c = WorkerCounters()
-    c.observe(worker_pb2.StepTimings(idle_seconds=0.5, forward_seconds=0.2, sample_seconds=0.1, num_tokens=3))
-    c.observe(worker_pb2.StepTimings(idle_seconds=0.0, forward_seconds=0.4, sample_seconds=0.1, num_tokens=1))
+    c.observe(
+        worker_pb2.StepTimings(
+            idle_seconds=0.5, gap_seconds=0.6, forward_seconds=0.2, sample_seconds=0.1, num_tokens=3
+        )
+    )
+    c.observe(
+        worker_pb2.StepTimings(
+            idle_seconds=0.0, gap_seconds=0.2, forward_seconds=0.4, sample_seconds=0.1, num_tokens=1
+        )
+    )
     assert c.mean_step_seconds == pytest.approx(0.4)
     assert c.mean_forward_seconds == pytest.approx(0.3)
     assert c.mean_idle_seconds == pytest.approx(0.25)
+    assert c.mean_gap_seconds == pytest.approx(0.4)
 
 
 def test_config_flags_win_over_environment_over_defaults():

@@ -220,6 +220,19 @@ def test_idle_time_is_the_wait_for_the_plan_after_the_previous_step(runner):
     assert r3.timings.forward_seconds > 0.0 and r3.timings.num_tokens == 2
 
 
+def test_the_gap_is_the_end_of_the_previous_step_to_the_start_of_this_one(runner):
+    import time
+
+    assert runner.execute(first_plan()).timings.gap_seconds == 0.0  # nothing before the first step
+    time.sleep(0.05)
+    # Whether or not the plan arrived in time, the worker stood still from one step to the next.
+    waited = runner.execute(decode_plan(2)).timings
+    assert waited.gap_seconds >= waited.idle_seconds >= 0.05
+    time.sleep(0.03)
+    early = runner.execute(decode_plan(3), received_at=time.perf_counter() - 10.0).timings
+    assert early.idle_seconds == 0.0 and 0.03 <= early.gap_seconds < 0.05
+
+
 # ---- validation: a broken plan is refused whole and changes nothing ----------------------------
 
 

@@ -93,6 +93,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         received_at = t0 if received_at is None else received_at
         idle = 0.0 if self._idle_since is None else max(0.0, received_at - self._idle_since)
+        gap = 0.0 if self._idle_since is None else t0 - self._idle_since
         self._validate(plan)
         self._apply(plan)
         result = worker_pb2.StepResult(step_id=plan.step_id)
@@ -122,6 +123,7 @@ class ModelRunner:
         self.last_step_id = plan.step_id
         self._idle_since = t3
         result.timings.idle_seconds = idle
+        result.timings.gap_seconds = gap
         result.timings.prepare_seconds = t1 - t0
         result.timings.forward_seconds = t2 - t1
         result.timings.sample_seconds = t3 - t2

@@ -50,16 +50,20 @@ class WorkerTime:
     step_seconds: float = 0.0  # forward pass and sampling
     idle_seconds: float = 0.0  # waiting for the next plan after finishing one
     forward_seconds: float | None = None  # the forward passes' share of step_seconds (None: not exposed)
+    # From the end of one step to the start of the next: the idle seconds and the worker's hand-over of
+    # results and plans between its threads (None: not exposed).
+    gap_seconds: float | None = None
 
     def __sub__(self, other: WorkerTime) -> WorkerTime:
-        forward = None
-        if self.forward_seconds is not None and other.forward_seconds is not None:
-            forward = self.forward_seconds - other.forward_seconds
+        def optional(mine: float | None, theirs: float | None) -> float | None:
+            return None if mine is None or theirs is None else mine - theirs
+
         return WorkerTime(
             self.steps - other.steps,
             self.step_seconds - other.step_seconds,
             self.idle_seconds - other.idle_seconds,
-            forward,
+            optional(self.forward_seconds, other.forward_seconds),
+            optional(self.gap_seconds, other.gap_seconds),
         )
 
     def describe(self) -> str:
@@ -69,9 +73,13 @@ class WorkerTime:
         forward = ""
         if self.forward_seconds is not None:
             forward = f"; forward pass {self.forward_seconds / self.steps * 1e3:.1f} ms a step"
+        gap = ""
+        if self.gap_seconds is not None:
+            gap_ms = self.gap_seconds / self.steps * 1e3
+            gap = f"; {gap_ms:.2f} ms ({gap_ms / step_ms:.1%}) from the end of one step to the start of the next"
         return (
             f"worker idle between steps: {idle_ms:.2f} ms per step against {step_ms:.1f} ms steps "
-            f"({idle_ms / step_ms:.1%} of the step time{forward}; {self.steps:.0f} steps)"
+            f"({idle_ms / step_ms:.1%} of the step time{forward}{gap}; {self.steps:.0f} steps)"
         )
 
 
@@ -86,7 +94,7 @@ class PassResult:
 
 def scrape_worker_time(base_url: str, api_key: str | None = None) -> WorkerTime | None:
     """The pagedserve:worker_* counters of the server's /metrics; None for a server without the steps,
-    their seconds and the idle seconds (the forward passes' seconds are optional)."""
+    their seconds and the idle seconds (the forward passes' and the gaps' seconds are optional)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -101,6 +109,7 @@ def scrape_worker_time(base_url: str, api_key: str | None = None) -> WorkerTime 
         "pagedserve:worker_step_seconds": "step_seconds",
         "pagedserve:worker_idle_seconds": "idle_seconds",
         "pagedserve:worker_forward_seconds": "forward_seconds",
+        "pagedserve:worker_gap_seconds": "gap_seconds",
     }
     found, total = set(), WorkerTime()
     for family in text_string_to_metric_families(response.text):
