@@ -79,21 +79,24 @@ class WorkerCounters:
         self.gap_seconds += timings.gap_seconds
         self.num_tokens += timings.num_tokens
 
+    def _per_step(self, seconds: float) -> float:
+        return seconds / self.num_steps if self.num_steps else 0.0
+
     @property
     def mean_step_seconds(self) -> float:
-        return self.step_seconds / self.num_steps if self.num_steps else 0.0
+        return self._per_step(self.step_seconds)
 
     @property
     def mean_forward_seconds(self) -> float:
-        return self.forward_seconds / self.num_steps if self.num_steps else 0.0
+        return self._per_step(self.forward_seconds)
 
     @property
     def mean_idle_seconds(self) -> float:
-        return self.idle_seconds / self.num_steps if self.num_steps else 0.0
+        return self._per_step(self.idle_seconds)
 
     @property
     def mean_gap_seconds(self) -> float:
-        return self.gap_seconds / self.num_steps if self.num_steps else 0.0
+        return self._per_step(self.gap_seconds)
 
 
 @dataclass(slots=True)
