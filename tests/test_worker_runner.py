@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from worker_testing import (
@@ -207,8 +209,6 @@ def test_reset_forgets_everything_and_restarts_at_step_one(runner):
 
 
 def test_idle_time_is_the_wait_for_the_plan_after_the_previous_step(runner):
-    import time
-
     r1 = runner.execute(first_plan())
     assert r1.timings.idle_seconds == 0.0  # nothing before the first step
     time.sleep(0.05)
@@ -221,8 +221,6 @@ def test_idle_time_is_the_wait_for_the_plan_after_the_previous_step(runner):
 
 
 def test_the_gap_is_the_end_of_the_previous_step_to_the_start_of_this_one(runner):
-    import time
-
     assert runner.execute(first_plan()).timings.gap_seconds == 0.0  # nothing before the first step
     time.sleep(0.05)
     # Whether or not the plan arrived in time, the worker stood still from one step to the next.
