@@ -17,11 +17,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &ps::silu_mul, "silu(gate) * up of gate_up [..., 2 * I], gate first");
   m.def("add_rms_norm_", &ps::add_rms_norm_, "x += delta in place, then RMSNorm of x");
   m.def("rotary_write_kv_", &ps::rotary_write_kv_, "RoPE on q and k in place, then k and v into the cache");
-  m.def("pack_linear_weight", &ps::pack_linear_weight, "Pack an nn.Linear weight [N, K] bf16 for linear");
+  m.def("pack_linear_weight", &ps::pack_linear_weight,
+        "Pack an nn.Linear weight [N, K] (bf16, or float32 where has_linear_f32) for linear");
   m.def("linear", &ps::linear, "y = x @ W^T + bias with W packed by pack_linear_weight; n is W's N");
   m.def("linear_silu", &ps::linear_silu,
         "silu_mul(linear(x, packed, 2 * size, bias)) without the [..., 2 * size] intermediate");
   m.def("has_linear", &ps::has_linear, "Whether this build has linear (AVX-512 BF16, or AVX2 with FMA)");
+  m.def("has_linear_f32", &ps::has_linear_f32, "Whether this build has linear for float32 (AVX2 with FMA)");
   py::class_<ps::DecoderStack>(m, "DecoderStack", "A decoder's layers run in one call (see model.CausalLM)")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>(),
            py::arg("hidden"), py::arg("intermediate"), py::arg("num_heads"), py::arg("num_kv_heads"),

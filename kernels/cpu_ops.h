@@ -33,6 +33,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t size,
                        const c10::optional<at::Tensor>& bias);
 bool has_linear();
+bool has_linear_f32();
 
 // A decoder's layers run in one call (see the kernels' DecoderStack).
 class DecoderStack {

@@ -318,7 +318,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def linear_kernels() -> None:
-    """The ops' own linear layer (see cpu_ops.linear_kernels); here none: the model's linear layers are
-    PyTorch's."""
+def linear_kernels(dtype: torch.dtype = torch.bfloat16) -> None:
+    """The ops' own linear layer for weights of `dtype` (see cpu_ops.linear_kernels); here none: the
+    model's linear layers are PyTorch's."""
     return None

@@ -428,6 +428,110 @@ def test_avx2_linear_gives_a_row_the_same_bits_in_any_pass_from_3_rows(rows, n, 
         assert torch.equal(part, whole[start : start + size]), (start, size)
 
 
+needs_linear_f32 = pytest.mark.skipif(
+    cpu_ops.linear_kernels(torch.float32) is None,
+    reason="no float32 linear in this build (it needs AVX2 with FMA)",
+)
+
+
+@needs_linear_f32
+@pytest.mark.parametrize(
+    ("rows", "n", "k"),
+    [
+        (1, 960, 576),
+        (1, 17, 63),
+        (2, 200, 96),
+        (3, 576, 1536),
+        (5, 100, 46),
+        (6, 48, 7),
+        (7, 576, 64),
+        (13, 33, 97),
+        (50, 40, 1000),
+        (97, 960, 96),
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_linear_is_within_float32_summation_of_the_exact_product(rows, n, k, bias):
+    # Sums in float32 FMAs, in k order, the bias added last: within the bound of k-term float32 summation,
+    # k * 2^-24 times the sum of |x_i w_i| (plus the bias's rounding), of the float64 product. One row as
+    # four runs side by side a thread (960 columns: 30 blocks a thread, 7 in each run and 2 left; 17
+    # columns: two blocks, one a thread, alone), two rows as two runs (200 columns: 13 blocks, 6 and 7 a
+    # thread, 3 each in two runs and 0 or 1 left), more rows in passes of up to 6 over each block (7: 3 +
+    # 4, 13: 4 + 4 + 5, 97: 17 passes); N and K not multiples of 16 exercise the padded blocks.
+    gen = torch.Generator().manual_seed(rows * n + k)
+    weight = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(rows, k, generator=gen)
+    kernels = cpu_ops.linear_kernels(torch.float32)
+    out = kernels.linear(x, kernels.pack_linear_weight(weight), n, b)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    exact = _exact_linear(x, weight, b)
+    magnitude = x.double().abs() @ weight.double().abs().T
+    bound = (k + 1) * 2.0**-24 * (magnitude if b is None else magnitude + b.double().abs())
+    assert ((out.double() - exact).abs() <= bound).all()
+
+
+@needs_linear_f32
+@pytest.mark.parametrize(("n", "k"), [(200, 96), (960, 64), (33, 1000)])
+def test_float32_linear_gives_a_row_the_same_bits_in_any_pass(n, k):
+    # Every pass, of one row as four runs, of two as two, of 3 to 6 rows over a block, sums a row's
+    # products with FMAs in k order: a row's result does not depend on the rows beside it. So that any other
+    # order shows, x holds +2^40 and -2^40 against equal weights at k/3 and 2k/3: in k order the sum up to
+    # 2k/3 vanishes (absorbed, then cancelled) and only the terms after it are left.
+    rows = 20
+    gen = torch.Generator().manual_seed(n + k)
+    weight = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    weight[:, 2 * k // 3] = weight[:, k // 3]
+    x[:, k // 3], x[:, 2 * k // 3] = 2.0**40, -(2.0**40)
+    kernels = cpu_ops.linear_kernels(torch.float32)
+    packed = kernels.pack_linear_weight(weight)
+    whole = kernels.linear(x, packed, n, b)  # 20 rows: passes of 5
+    # Where 2^40 w is large enough to absorb every term (|w| > 0.01: a float32 step of 2^10 or more).
+    tail = x[:, 2 * k // 3 + 1 :].double() @ weight[:, 2 * k // 3 + 1 :].double().T + b.double()
+    big = weight[:, k // 3].abs() > 0.01
+    torch.testing.assert_close(whole[:, big].double(), tail[:, big], rtol=1e-5, atol=1e-3)
+    for start, size in [(0, 1), (5, 1), (1, 2), (7, 2), (2, 3), (3, 4), (9, 6), (0, 7), (4, 13)]:
+        part = kernels.linear(x[start : start + size], packed, n, b)
+        assert torch.equal(part, whole[start : start + size]), (start, size)
+
+
+@needs_linear_f32
+def test_float32_linear_reads_strided_and_batched_inputs():
+    weight = torch.randn(48, 64)
+    kernels = cpu_ops.linear_kernels(torch.float32)
+    packed = kernels.pack_linear_weight(weight)
+    assert packed.shape == (3, 64, 16) and packed.dtype == torch.float32
+    wide = torch.randn(2, 3, 100)
+    x = wide[..., 10:74]
+    assert not x.is_contiguous()
+    out = kernels.linear(x, packed, 48, None)
+    assert out.shape == (2, 3, 48)
+    torch.testing.assert_close(out.double(), _exact_linear(x, weight, None), rtol=1e-5, atol=1e-4)
+    assert kernels.linear(x[:0], packed, 48, None).shape == (0, 3, 48)
+
+
+@needs_linear_f32
+def test_float32_linear_refuses_what_it_cannot_read():
+    kernels = cpu_ops.linear_kernels(torch.float32)
+    packed = kernels.pack_linear_weight(torch.randn(40, 64))
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        kernels.linear(torch.randn(2, 64).bfloat16(), packed, 40, None)
+    with pytest.raises(RuntimeError, match="x has K = 32"):
+        kernels.linear(torch.randn(2, 32), packed, 40, None)
+    with pytest.raises(RuntimeError, match="n = 60 does not match"):
+        kernels.linear(torch.randn(2, 64), packed, 60, None)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        kernels.linear(torch.randn(2, 64), packed, 40, torch.randn(40).bfloat16())
+    with pytest.raises(RuntimeError, match="packed must be a weight from pack_linear_weight"):
+        kernels.linear(torch.randn(2, 64), torch.randn(40, 64), 40, None)
+    with pytest.raises(RuntimeError, match="packed must be a weight from pack_linear_weight"):
+        kernels.linear_silu(torch.randn(2, 64), packed, 20, None)  # the fused MLP pass is bf16's
+    with pytest.raises(RuntimeError, match="weight must be \\[N, K\\] bf16 or float32"):
+        kernels.pack_linear_weight(torch.randn(40, 64).half())
+
+
 _FEWER_THREADS_SCRIPT = """
 import torch
 from pagedserve.kernels import cpu_ops
@@ -440,6 +544,11 @@ for rows, n, k in [(1, 960, 576), (2, 200, 96), (3, 576, 64), (8, 17, 63), (24, 
     out = kernels.linear(x, kernels.pack_linear_weight(weight), n, None)
     exact = x.double() @ weight.double().T
     torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-4)
+kernels = cpu_ops.linear_kernels(torch.float32)
+for rows, n, k in [(1, 960, 576), (2, 200, 96), (7, 17, 63)]:
+    weight, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
+    out = kernels.linear(x, kernels.pack_linear_weight(weight), n, None)
+    torch.testing.assert_close(out.double(), x.double() @ weight.double().T, rtol=1e-5, atol=1e-3)
 print("ok")
 """
 
@@ -449,7 +558,8 @@ def test_linear_computes_every_block_when_openmp_starts_fewer_threads_than_asked
     # Two threads asked, one started (OMP_THREAD_LIMIT): the AVX2 linear's run of blocks of the thread
     # that never started is taken, unit by unit from its back end, by the one that did (in a decode
     # batch: one block, or a step of two or four streams for one or two rows, and the blocks they leave
-    # over); a block nobody takes would leave its columns unwritten.
+    # over; the float32 linear's runs at any row count); a block nobody takes would leave its columns
+    # unwritten.
     env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
     done = subprocess.run(
         [sys.executable, "-c", _FEWER_THREADS_SCRIPT], env=env, capture_output=True, text=True, timeout=600

@@ -265,12 +265,25 @@ def test_bf16_loader_packs_linears_without_changing_the_logits(tmp_path, monkeyp
     assert torch.equal(packed, plain)
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+@pytest.mark.skipif(
+    not can_pack_linears(torch.float32, torch.device("cpu")),
+    reason="neither the kernels' float32 linear nor oneDNN on this CPU",
+)
 @pytest.mark.parametrize("family", ["qwen2_qkv_bias_tied", "mistral_untied"])
-def test_float32_loader_packs_linears_for_onednn_and_keeps_the_logits(tmp_path, monkeypatch, family):
-    # oneDNN sums in another order than MKL's sgemm: the same logits to float32 rounding, not the same bits.
+def test_float32_loader_packs_linears_and_keeps_the_logits(tmp_path, monkeypatch, family):
+    # The kernels' float32 linear where the build has it (AVX2 with FMA), else oneDNN: either sums in
+    # another order than MKL's sgemm, so the same logits to float32 rounding, not the same bits. The
+    # layers still run in the Python loop (DecoderStack is bf16's).
+    from pagedserve.kernels import cpu_ops
+
     packed, plain = _packed_and_plain_logits(tmp_path, monkeypatch, family, torch.float32)
     torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
+    if cpu_ops.linear_kernels(torch.float32) is not None:
+        monkeypatch.undo()
+        model = load_model(tmp_path, torch.float32, "cpu")
+        linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        assert linears and all(m.kernels is not None and m.weight.dim() == 3 for m in linears)
+        assert model.stack is None
 
 
 @needs_packing

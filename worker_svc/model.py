@@ -184,8 +184,9 @@ def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype, device: torch
 
 
 class PackedLinear(nn.Module):
-    """A linear layer whose weight is packed once: into the C++ CPU kernels' layout where they have their
-    bf16 linear (AVX-512 BF16, or AVX2 with FMA), else into oneDNN's blocked layout for this CPU.
+    """A linear layer whose weight is packed once: into the C++ CPU kernels' layout where they have a linear
+    for its dtype (bf16: AVX-512 BF16, or AVX2 with FMA; float32: AVX2 with FMA), else into oneDNN's blocked
+    layout for this CPU.
 
     NOTE: bf16 F.linear on CPU runs oneDNN but reorders (or reads strided) the plain [out, in] weight on
     every call. Prepacked for oneDNN, single-token decode streams the weights about 1.7x faster (one
@@ -199,12 +200,15 @@ class PackedLinear(nn.Module):
     keeping oneDNN's too for large batches cost the weights' memory twice and bought nothing (64 requests
     of the mixed workload: 332.8 and 344.1 output tokens/s with both copies, 339.1 and 344.1 with one).
 
-    float32 weights are packed for oneDNN too (the kernels' linear is bf16): F.linear runs MKL's sgemm,
-    which on an AMD CPU streams the weights at 4-8 GB/s (the LM head [49152 x 576] at 2 rows: 30 ms
-    against 15 ms prepacked). Default model, `bench/bench_worker.py --dtype float32 --context 128`, 2-core
-    Zen 3, two runs each, F.linear / prepacked, ms a step: 1 row 96.6 and 84.1 / 69.2 and 77.3, 2 rows 169
-    and 162 / 108 and 125, 8 rows 173 and 147 / 116 and 145, 32 rows 256 and 265 / 175 and 209; one
-    layer's linears over 256 prompt rows 20.3 / 16.7 ms, 1024 rows 80.4 / 63.8 ms."""
+    float32 weights go to the kernels' float32 linear where the CPU has AVX2 with FMA (kernels/cpu_ops.cpp,
+    linear_f32_avx2), else to oneDNN prepacked: F.linear runs MKL's sgemm, which on an AMD CPU streams the
+    weights at 4-8 GB/s (the LM head [49152 x 576] at 2 rows: 30 ms against 15 ms prepacked). Default
+    model, `bench/bench_worker.py --dtype float32 --context 128`, 2-core Zen 3, two runs each, F.linear /
+    oneDNN prepacked, ms a step: 1 row 96.6 and 84.1 / 69.2 and 77.3, 2 rows 169 and 162 / 108 and 125, 8
+    rows 173 and 147 / 116 and 145, 32 rows 256 and 265 / 175 and 209. The kernels' float32 linear against
+    oneDNN prepacked, the 30 layers' linears and the LM head (weights from memory, 2 threads, ms): 1 row
+    23.1 / 40.3, 2 rows 24.9 / 69.3, 8 rows 31.9 / 82.7, 16 rows 39.0 / 102.2, 48 rows 83.5 / 171.0; the
+    30 layers' alone over 2048 prompt rows about even (3224 and 3624 / 3329 and 3514)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Any = None) -> None:
         super().__init__()
@@ -226,16 +230,14 @@ class PackedLinear(nn.Module):
 
 
 def can_pack_linears(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether PackedLinear applies: bfloat16 on a CPU where the kernels have their linear (AVX-512 BF16,
-    or AVX2 with FMA) or where oneDNN runs bf16 natively; float32 on a CPU where oneDNN runs."""
-    if device.type != "cpu":
+    """Whether PackedLinear applies: on a CPU where the kernels have a linear for the dtype (bf16: AVX-512
+    BF16, or AVX2 with FMA; float32: AVX2 with FMA), else where oneDNN runs it (bf16 natively)."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return False
+    if get_ops(device).linear_kernels(dtype) is not None:
+        return True
     if dtype == torch.float32:
         return torch.backends.mkldnn.is_available()
-    if dtype != torch.bfloat16:
-        return False
-    if get_ops(device).linear_kernels() is not None:
-        return True
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
@@ -423,15 +425,15 @@ class CausalLM(nn.Module):
         """Replace every nn.Linear (and a tied LM head) with a PackedLinear; see can_pack_linears.
         A tied head gets a packed copy of the embedding matrix, tied_head (the lookup needs the plain one)."""
         assert can_pack_linears(self.dtype, self.device), (self.dtype, self.device)
-        # The kernels' linear is bf16's; float32 weights go to oneDNN.
-        kernels = get_ops(self.device).linear_kernels() if self.dtype == torch.bfloat16 else None
+        kernels = get_ops(self.device).linear_kernels(self.dtype)
         for module in self.modules():
             for name, child in module.named_children():
                 if type(child) is nn.Linear:
                     setattr(module, name, PackedLinear(child.weight, child.bias, kernels))
         if self.lm_head is None:
             self.tied_head = PackedLinear(self.embed_tokens.weight, None, kernels)
-        if kernels is not None:
+        # DecoderStack is bf16's: a float32 model runs its layers in forward's Python loop.
+        if kernels is not None and self.dtype == torch.bfloat16:
             self.stack = self._build_stack()
 
     def _build_stack(self) -> Any:
