@@ -3459,7 +3459,12 @@ bool has_linear_f32() {
 // holds every layer's weights and runs all layers of a forward pass from here, the same kernels in the
 // same order as model.CausalLM.forward (but for linear_silu, which is its gate_up linear then silu_mul
 // in one pass), so it computes the same bits. The model runs every step through it where the kernels
-// have their linear.
+// have their linear for its dtype: bf16, or float32 (DecoderStackT<float>, whose MLP runs gate_up then
+// silu_mul as the Python loop does). In float32 the Python around the kernels costs more still, 5-11 ms a
+// step (SmolLM2, 2-core Zen 3, the loop against the stack, alternating steps in one process, medians of 20,
+// two runs): 1 sequence at 512 positions 39.2 and 34.4 -> 30.9 and 29.2 ms, 8 sequences 60.2 and 57.9 ->
+// 49.1 and 48.2 ms, 32 sequences 140.8 and 141.3 -> 130.2 and 125.0 ms; 1 sequence at 2048 positions 40.3 ->
+// 31.0 ms.
 //
 // Inside, a layer makes no tensors: the kernels run on pointers into buffers the stack keeps (linear_to,
 // linear_silu_to, rms_norm_impl), the tensors' checks and the attention's plan are made once per forward
@@ -3477,14 +3482,43 @@ struct StackLayer {
   c10::optional<at::Tensor> q_norm, k_norm;  // per-head RMSNorm of q and k (qwen3)
 };
 
-const at::BFloat16* bf16_or_null(const c10::optional<at::Tensor>& t) {
-  return t.has_value() ? t->const_data_ptr<at::BFloat16>() : nullptr;
+// The data of an optional tensor of T, or null.
+template <typename T>
+const T* data_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->const_data_ptr<T>() : nullptr;
 }
 
-class DecoderStack {
+// What the interface's DecoderStack calls, whichever the dtype of the stack's model.
+class StackBase {
  public:
-  DecoderStack(int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads,
-               int64_t head_dim, double eps, double scale, int64_t min_tile_lanes, at::Tensor final_norm)
+  virtual ~StackBase() = default;
+  virtual void add_layer(at::Tensor qkv, c10::optional<at::Tensor> qkv_bias, at::Tensor o,
+                         c10::optional<at::Tensor> o_bias, at::Tensor gate_up,
+                         c10::optional<at::Tensor> gate_up_bias, at::Tensor down,
+                         c10::optional<at::Tensor> down_bias, at::Tensor input_norm,
+                         at::Tensor post_attention_norm, c10::optional<at::Tensor> q_norm,
+                         c10::optional<at::Tensor> k_norm) = 0;
+  virtual at::Tensor forward_tokens(const at::Tensor& input_ids, const at::Tensor& positions,
+                                    const at::Tensor& embedding, const at::Tensor& rope_table,
+                                    const std::vector<at::Tensor>& k_caches,
+                                    const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
+                                    const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                                    const at::Tensor& context_lens,
+                                    const c10::optional<at::Tensor>& output_rows) const = 0;
+  virtual int64_t num_layers() const = 0;
+};
+
+// The stack of a bf16 model (T = at::BFloat16: the kernels' bf16 linear, with the MLP's gate_up and SiLU in
+// one pass where linear_silu_to fuses them) or of a float32 one (T = float: linear_f32_avx2, then
+// silu_mul, as the Python loop runs them).
+template <typename T>
+class DecoderStackT final : public StackBase {
+  static constexpr at::ScalarType kType = c10::CppTypeToScalarType<T>::value;
+  static constexpr const char* kTypeName = std::is_same_v<T, float> ? "float32" : "bf16";
+
+ public:
+  DecoderStackT(int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads,
+                int64_t head_dim, double eps, double scale, int64_t min_tile_lanes, at::Tensor final_norm)
       : hidden_(hidden),
         intermediate_(intermediate),
         num_heads_(num_heads),
@@ -3496,7 +3530,8 @@ class DecoderStack {
         scale_(scale),
         min_tile_lanes_(min_tile_lanes),
         final_norm_(std::move(final_norm)) {
-    TORCH_CHECK(has_linear(), "DecoderStack needs the kernels' linear (see has_linear)");
+    TORCH_CHECK((std::is_same_v<T, float> ? has_linear_f32() : has_linear()),
+                "DecoderStack needs the kernels' linear for its dtype (see has_linear and has_linear_f32)");
     TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
     // linear_to reads x in whole pairs; every released model's sizes are even.
     TORCH_CHECK(hidden % 2 == 0 && intermediate % 2 == 0 && head_dim % 2 == 0,
@@ -3508,7 +3543,7 @@ class DecoderStack {
                  c10::optional<at::Tensor> o_bias, at::Tensor gate_up, c10::optional<at::Tensor> gate_up_bias,
                  at::Tensor down, c10::optional<at::Tensor> down_bias, at::Tensor input_norm,
                  at::Tensor post_attention_norm, c10::optional<at::Tensor> q_norm,
-                 c10::optional<at::Tensor> k_norm) {
+                 c10::optional<at::Tensor> k_norm) override {
     check_packed(qkv, qkv_bias, q_size_ + 2 * kv_size_, hidden_, "qkv");
     check_packed(o, o_bias, hidden_, q_size_, "o");
     check_packed(gate_up, gate_up_bias, 2 * intermediate_, hidden_, "gate_up");
@@ -3535,16 +3570,16 @@ class DecoderStack {
                             const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                             const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                            const c10::optional<at::Tensor>& output_rows = c10::nullopt) const {
+                            const c10::optional<at::Tensor>& output_rows) const override {
     TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong &&
                     positions.sizes() == input_ids.sizes() && positions.scalar_type() == at::kLong,
                 "input_ids and positions must be int64 [num_tokens]");
-    TORCH_CHECK(embedding.dim() == 2 && embedding.size(1) == hidden_ &&
-                    embedding.scalar_type() == at::kBFloat16 && embedding.is_contiguous(),
-                "embedding must be contiguous bf16 [vocab, ", hidden_, "]");
+    TORCH_CHECK(embedding.dim() == 2 && embedding.size(1) == hidden_ && embedding.scalar_type() == kType &&
+                    embedding.is_contiguous(),
+                "embedding must be contiguous ", kTypeName, " [vocab, ", hidden_, "]");
     TORCH_CHECK(rope_table.dim() == 2 && rope_table.size(1) == 2 * head_dim_ &&
-                    rope_table.scalar_type() == at::kBFloat16 && rope_table.is_contiguous(),
-                "rope_table must be contiguous bf16 [max_position, ", 2 * head_dim_, "]");
+                    rope_table.scalar_type() == kType && rope_table.is_contiguous(),
+                "rope_table must be contiguous ", kTypeName, " [max_position, ", 2 * head_dim_, "]");
     const at::Tensor ids = input_ids.contiguous(), pos = positions.contiguous();
     const int64_t t = ids.numel(), vocab = embedding.size(0), max_position = rope_table.size(0);
     const int64_t* id = ids.const_data_ptr<int64_t>();
@@ -3557,22 +3592,22 @@ class DecoderStack {
     }
     at::Tensor x = at::empty({t, hidden_}, embedding.options());
     at::Tensor rope = at::empty({t, 1, 2 * head_dim_}, rope_table.options());
-    const at::BFloat16* emb = embedding.const_data_ptr<at::BFloat16>();
-    const at::BFloat16* table = rope_table.const_data_ptr<at::BFloat16>();
-    at::BFloat16* x_rows = x.mutable_data_ptr<at::BFloat16>();
-    at::BFloat16* rope_rows = rope.mutable_data_ptr<at::BFloat16>();
+    const T* emb = embedding.const_data_ptr<T>();
+    const T* table = rope_table.const_data_ptr<T>();
+    T* x_rows = x.mutable_data_ptr<T>();
+    T* rope_rows = rope.mutable_data_ptr<T>();
     at::parallel_for(0, t, 256, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        std::memcpy(x_rows + i * hidden_, emb + id[i] * hidden_, hidden_ * sizeof(at::BFloat16));
+        std::memcpy(x_rows + i * hidden_, emb + id[i] * hidden_, hidden_ * sizeof(T));
         std::memcpy(rope_rows + i * 2 * head_dim_, table + at_pos[i] * 2 * head_dim_,
-                    2 * head_dim_ * sizeof(at::BFloat16));
+                    2 * head_dim_ * sizeof(T));
       }
     });
     return forward(x, rope.narrow(2, 0, head_dim_), rope.narrow(2, head_dim_, head_dim_), k_caches, v_caches,
                    slot_mapping, block_tables, query_start_loc, context_lens, output_rows);
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  int64_t num_layers() const override { return static_cast<int64_t>(layers_.size()); }
 
  private:
   // x [T, hidden] is the embedded batch, the residual stream (updated in place); returns the final norm
@@ -3591,14 +3626,14 @@ class DecoderStack {
                     static_cast<int64_t>(v_caches.size()) == num_layers,
                 "one K and one V cache per layer: ", num_layers, " layers, ", k_caches.size(), " and ",
                 v_caches.size(), " caches");
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-                "x must be contiguous bf16 [num_tokens, ", hidden_, "]");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.is_contiguous() && x.scalar_type() == kType,
+                "x must be contiguous ", kTypeName, " [num_tokens, ", hidden_, "]");
     for (int64_t i = 0; i < num_layers; ++i) {
       check_cache(k_caches[i], v_caches[i]);
-      TORCH_CHECK(k_caches[i].scalar_type() == at::kBFloat16 && k_caches[i].size(2) == num_kv_heads_ &&
+      TORCH_CHECK(k_caches[i].scalar_type() == kType && k_caches[i].size(2) == num_kv_heads_ &&
                       k_caches[i].size(3) == head_dim_ && k_caches[i].sizes() == k_caches[0].sizes(),
-                  "layer ", i, ": the caches must be bf16 [num_blocks, block_size, ", num_kv_heads_, ", ",
-                  head_dim_, "], as every layer's");
+                  "layer ", i, ": the caches must be ", kTypeName, " [num_blocks, block_size, ",
+                  num_kv_heads_, ", ", head_dim_, "], as every layer's");
     }
     const int64_t t = x.size(0);
     TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == t, "slot_mapping must be [num_tokens]");
@@ -3612,20 +3647,19 @@ class DecoderStack {
                                               context_lens, -1, min_tile_lanes_);
     const Buffers b = buffers(t);
     at::Tensor out = out_rows.has_value() ? at::Tensor() : at::empty({t, hidden_}, x.options());
-    at::BFloat16* const xp = x.mutable_data_ptr<at::BFloat16>();
-    rms_norm_impl<at::BFloat16>(xp, hidden_, nullptr, 0, layers_[0].input_norm.const_data_ptr<at::BFloat16>(),
-                                b.h, hidden_, t, hidden_, eps_);
+    T* const xp = x.mutable_data_ptr<T>();
+    rms_norm_impl<T>(xp, hidden_, nullptr, 0, layers_[0].input_norm.const_data_ptr<T>(), b.h, hidden_, t,
+                     hidden_, eps_);
     for (int64_t i = 0; i < num_layers; ++i) {
       const StackLayer& layer = layers_[i];
       at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
-      linear_to(b.h, hidden_, t, layer.qkv.const_data_ptr<at::BFloat16>(), hidden_ / 2,
-                q_size_ + 2 * kv_size_, bf16_or_null(layer.qkv_bias), b.qkv, q_size_ + 2 * kv_size_);
+      linear(b.h, t, layer.qkv, hidden_, q_size_ + 2 * kv_size_, layer.qkv_bias, b.qkv);
       at::Tensor qk = b.qk;
       if (layer.q_norm.has_value())
         qk = at::cat({rms_norm(qk.narrow(1, 0, num_heads_), *layer.q_norm, eps_),
                       rms_norm(qk.narrow(1, num_heads_, num_kv_heads_), *layer.k_norm, eps_)},
                      1);
-      rotary_write_kv_impl<at::BFloat16>(qk, b.v, cos, sin, k_cache, v_cache, slots);
+      rotary_write_kv_impl<T>(qk, b.v, cos, sin, k_cache, v_cache, slots);
       const at::Tensor q = layer.q_norm.has_value() ? qk.narrow(1, 0, num_heads_) : b.q;
       if (i + 1 == num_layers && out_rows.has_value()) {  // only the output rows go on (see OutputRows)
         at::Tensor xr = x.index_select(0, out_rows->rows);
@@ -3635,14 +3669,12 @@ class DecoderStack {
                                                        out_rows->starts, out_rows->lens, -1, min_tile_lanes_);
         out = at::empty({r, hidden_}, x.options());
         attend_and_mlp(xr, q.index_select(0, out_rows->rows), layer, k_cache, v_cache, out_rows->tables,
-                       rows_plan, b, b.attn.narrow(0, 0, r), final_norm_,
-                       out.mutable_data_ptr<at::BFloat16>());
+                       rows_plan, b, b.attn.narrow(0, 0, r), final_norm_, out.mutable_data_ptr<T>());
         return out;
       }
       const bool last = i + 1 == num_layers;  // its output is the final norm's, the call's result
       attend_and_mlp(x, q, layer, k_cache, v_cache, block_tables, plan, b, b.attn,
-                     last ? final_norm_ : layers_[i + 1].input_norm,
-                     last ? out.mutable_data_ptr<at::BFloat16>() : b.h);
+                     last ? final_norm_ : layers_[i + 1].input_norm, last ? out.mutable_data_ptr<T>() : b.h);
     }
     return out;
   }
@@ -3687,7 +3719,7 @@ class DecoderStack {
   // A forward pass's intermediate rows, in workspace_: pointers to [T, width] buffers, and the views of them
   // that the RoPE and attention kernels take.
   struct Buffers {
-    at::BFloat16 *h, *qkv, *o, *act, *down, *scratch;
+    T *h, *qkv, *o, *act, *down, *scratch;
     at::Tensor qk, v, q;  // of qkv: [T, Hq + Hkv, D], [T, Hkv, D], [T, Hq, D]
     at::Tensor attn;      // [T, Hq, D], contiguous
   };
@@ -3703,7 +3735,7 @@ class DecoderStack {
     int64_t offsets[7], total = 0;
     for (int i = 0; i < 7; ++i) offsets[i] = total, total += t * widths[i];
     if (workspace_.numel() < total) workspace_ = at::empty({total}, final_norm_.options());
-    at::BFloat16* const base = workspace_.mutable_data_ptr<at::BFloat16>();
+    T* const base = workspace_.mutable_data_ptr<T>();
     Buffers b;
     b.h = base + offsets[0];
     b.qkv = base + offsets[1];
@@ -3725,37 +3757,57 @@ class DecoderStack {
   // layer's input norm or the final one), written to h_out [R, hidden].
   void attend_and_mlp(at::Tensor& x, const at::Tensor& q, const StackLayer& layer, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& block_tables, const AttentionPlan& plan,
-                      const Buffers& b, at::Tensor attn, const at::Tensor& next_norm,
-                      at::BFloat16* h_out) const {
+                      const Buffers& b, at::Tensor attn, const at::Tensor& next_norm, T* h_out) const {
     const int64_t rows = q.size(0);
-    at::BFloat16* const xp = x.mutable_data_ptr<at::BFloat16>();
+    T* const xp = x.mutable_data_ptr<T>();
     run_attention(plan, attn, q, k_cache, v_cache, block_tables, scale_);
-    linear_to(attn.const_data_ptr<at::BFloat16>(), q_size_, rows, layer.o.const_data_ptr<at::BFloat16>(),
-              q_size_ / 2, hidden_, bf16_or_null(layer.o_bias), b.o, hidden_);
-    rms_norm_impl<at::BFloat16>(xp, hidden_, b.o, hidden_,
-                                layer.post_attention_norm.const_data_ptr<at::BFloat16>(), b.h, hidden_, rows,
-                                hidden_, eps_);
-    linear_silu_to(b.h, rows, layer.gate_up.const_data_ptr<at::BFloat16>(), hidden_ / 2, intermediate_,
-                   bf16_or_null(layer.gate_up_bias), b.act, intermediate_, b.scratch);
-    linear_to(b.act, intermediate_, rows, layer.down.const_data_ptr<at::BFloat16>(), intermediate_ / 2,
-              hidden_, bf16_or_null(layer.down_bias), b.down, hidden_);
-    rms_norm_impl<at::BFloat16>(xp, hidden_, b.down, hidden_, next_norm.const_data_ptr<at::BFloat16>(), h_out,
-                                hidden_, rows, hidden_, eps_);
+    linear(attn.const_data_ptr<T>(), rows, layer.o, q_size_, hidden_, layer.o_bias, b.o);
+    rms_norm_impl<T>(xp, hidden_, b.o, hidden_, layer.post_attention_norm.const_data_ptr<T>(), b.h, hidden_,
+                     rows, hidden_, eps_);
+    if constexpr (std::is_same_v<T, float>) {
+      linear(b.h, rows, layer.gate_up, hidden_, 2 * intermediate_, layer.gate_up_bias, b.scratch);
+      silu_mul_impl<float>(b.scratch, 2 * intermediate_, b.act, rows, intermediate_);
+    } else {
+      linear_silu_to(b.h, rows, layer.gate_up.const_data_ptr<T>(), hidden_ / 2, intermediate_,
+                     data_or_null<T>(layer.gate_up_bias), b.act, intermediate_, b.scratch);
+    }
+    linear(b.act, rows, layer.down, intermediate_, hidden_, layer.down_bias, b.down);
+    rms_norm_impl<T>(xp, hidden_, b.down, hidden_, next_norm.const_data_ptr<T>(), h_out, hidden_, rows,
+                     hidden_, eps_);
+  }
+
+  // y [rows, n] = x [rows, k] @ W^T + bias for a W packed by pack_linear_weight (x and y contiguous).
+  static void linear(const T* x, int64_t rows, const at::Tensor& packed, int64_t k, int64_t n,
+                     const c10::optional<at::Tensor>& bias, T* y) {
+    if constexpr (std::is_same_v<T, float>) {
+#if defined(__AVX2__) && defined(__FMA__)
+      if (rows > 0)
+        linear_f32_avx2(x, k, rows, packed.const_data_ptr<float>(), k, n, data_or_null<float>(bias), y, n);
+#else
+      TORCH_CHECK(false, "this build has no float32 linear (see has_linear_f32)");
+#endif
+    } else {
+      linear_to(x, k, rows, packed.const_data_ptr<T>(), k / 2, n, data_or_null<T>(bias), y, n);
+    }
   }
 
   static void check_packed(const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
                            int64_t k, const char* name) {
-    TORCH_CHECK(packed.dim() == 4 && packed.size(0) == (n + kBlock - 1) / kBlock && packed.size(1) == k / 2 &&
-                    packed.size(2) == kBlock && packed.size(3) == 2 &&
-                    packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
-                name, ": expected a weight [", n, ", ", k, "] packed by pack_linear_weight, got ",
-                packed.sizes());
-    check_linear_bias(bias, n, (std::string(name) + ": the ").c_str());
+    // bf16: [blocks, K / 2, 16, 2]; float32: [blocks, K, 16] (see pack_linear_weight)
+    const bool shaped =
+        std::is_same_v<T, float>
+            ? packed.dim() == 3 && packed.size(1) == k && packed.size(2) == kBlock
+            : packed.dim() == 4 && packed.size(1) == k / 2 && packed.size(2) == kBlock && packed.size(3) == 2;
+    TORCH_CHECK(shaped && packed.size(0) == (n + kBlock - 1) / kBlock && packed.scalar_type() == kType &&
+                    packed.is_contiguous(),
+                name, ": expected a ", kTypeName, " weight [", n, ", ", k,
+                "] packed by pack_linear_weight, got ", packed.sizes());
+    check_linear_bias(bias, n, (std::string(name) + ": the ").c_str(), kType);
   }
   static void check_norm(const at::Tensor& weight, int64_t size, const char* name) {
-    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == size && weight.scalar_type() == at::kBFloat16 &&
+    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == size && weight.scalar_type() == kType &&
                     weight.is_contiguous(),
-                name, " must be contiguous bf16 [", size, "]");
+                name, " must be contiguous ", kTypeName, " [", size, "]");
   }
 
   const int64_t hidden_, intermediate_, num_heads_, num_kv_heads_, head_dim_, q_size_, kv_size_;
@@ -3808,9 +3860,23 @@ at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t si
 bool has_linear() { return ::has_linear(); }
 bool has_linear_f32() { return ::has_linear_f32(); }
 
-class DecoderStack::Impl : public ::DecoderStack {
+// The stack of final_norm's dtype: bf16 or float32.
+class DecoderStack::Impl {
  public:
-  using ::DecoderStack::DecoderStack;
+  Impl(int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+       double eps, double scale, int64_t min_tile_lanes, at::Tensor final_norm) {
+    const at::ScalarType dtype = final_norm.scalar_type();
+    TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
+                "DecoderStack runs bf16 or float32 models, not ", dtype);
+    if (dtype == at::kFloat)
+      stack = std::make_unique<DecoderStackT<float>>(hidden, intermediate, num_heads, num_kv_heads, head_dim,
+                                                     eps, scale, min_tile_lanes, std::move(final_norm));
+    else
+      stack = std::make_unique<DecoderStackT<at::BFloat16>>(hidden, intermediate, num_heads, num_kv_heads,
+                                                            head_dim, eps, scale, min_tile_lanes,
+                                                            std::move(final_norm));
+  }
+  std::unique_ptr<StackBase> stack;
 };
 
 DecoderStack::DecoderStack(int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads,
@@ -3826,9 +3892,10 @@ void DecoderStack::add_layer(at::Tensor qkv, c10::optional<at::Tensor> qkv_bias,
                              c10::optional<at::Tensor> down_bias, at::Tensor input_norm,
                              at::Tensor post_attention_norm, c10::optional<at::Tensor> q_norm,
                              c10::optional<at::Tensor> k_norm) {
-  impl_->add_layer(std::move(qkv), std::move(qkv_bias), std::move(o), std::move(o_bias), std::move(gate_up),
-                   std::move(gate_up_bias), std::move(down), std::move(down_bias), std::move(input_norm),
-                   std::move(post_attention_norm), std::move(q_norm), std::move(k_norm));
+  impl_->stack->add_layer(std::move(qkv), std::move(qkv_bias), std::move(o), std::move(o_bias),
+                          std::move(gate_up), std::move(gate_up_bias), std::move(down), std::move(down_bias),
+                          std::move(input_norm), std::move(post_attention_norm), std::move(q_norm),
+                          std::move(k_norm));
 }
 at::Tensor DecoderStack::forward_tokens(const at::Tensor& input_ids, const at::Tensor& positions,
                                         const at::Tensor& embedding, const at::Tensor& rope_table,
@@ -3837,9 +3904,9 @@ at::Tensor DecoderStack::forward_tokens(const at::Tensor& input_ids, const at::T
                                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                         const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                                         const c10::optional<at::Tensor>& output_rows) const {
-  return impl_->forward_tokens(input_ids, positions, embedding, rope_table, k_caches, v_caches, slot_mapping,
-                               block_tables, query_start_loc, context_lens, output_rows);
+  return impl_->stack->forward_tokens(input_ids, positions, embedding, rope_table, k_caches, v_caches,
+                                      slot_mapping, block_tables, query_start_loc, context_lens, output_rows);
 }
-int64_t DecoderStack::num_layers() const { return impl_->num_layers(); }
+int64_t DecoderStack::num_layers() const { return impl_->stack->num_layers(); }
 
 }  // namespace pagedserve::cpu

@@ -203,9 +203,10 @@ def linear_kernels(dtype: torch.dtype = torch.bfloat16) -> ModuleType | None:
 
 
 def decoder_stack(**shape: object) -> object:
-    """A DecoderStack of the extension (needs linear_kernels()): a decoder's layers run in one call, over
-    weights packed by its pack_linear_weight. `shape`: hidden, intermediate, num_heads, num_kv_heads,
-    head_dim, eps, scale and final_norm; layers are added with add_layer (model.CausalLM builds it).
+    """A DecoderStack of the extension (needs linear_kernels(dtype) for the model's dtype, bf16 or
+    float32, which final_norm's sets): a decoder's layers run in one call, over weights packed by its
+    pack_linear_weight. `shape`: hidden, intermediate, num_heads, num_kv_heads, head_dim, eps, scale and
+    final_norm; layers are added with add_layer (model.CausalLM builds it).
 
     NOTE: its attention never hands a sequence to SDPA. Every prompt chunk of at least TILE_MIN_LANES
     query vectors per kv head takes the tiled kernel, so this matters only on AVX-512 for head sizes

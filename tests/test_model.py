@@ -272,8 +272,8 @@ def test_bf16_loader_packs_linears_without_changing_the_logits(tmp_path, monkeyp
 @pytest.mark.parametrize("family", ["qwen2_qkv_bias_tied", "mistral_untied"])
 def test_float32_loader_packs_linears_and_keeps_the_logits(tmp_path, monkeypatch, family):
     # The kernels' float32 linear where the build has it (AVX2 with FMA), else oneDNN: either sums in
-    # another order than MKL's sgemm, so the same logits to float32 rounding, not the same bits. The
-    # layers still run in the Python loop (DecoderStack is bf16's).
+    # another order than MKL's sgemm, so the same logits to float32 rounding, not the same bits. With the
+    # kernels' linear the layers run in a float32 DecoderStack.
     from pagedserve.kernels import cpu_ops
 
     packed, plain = _packed_and_plain_logits(tmp_path, monkeypatch, family, torch.float32)
@@ -283,19 +283,21 @@ def test_float32_loader_packs_linears_and_keeps_the_logits(tmp_path, monkeypatch
         model = load_model(tmp_path, torch.float32, "cpu")
         linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
         assert linears and all(m.kernels is not None and m.weight.dim() == 3 for m in linears)
-        assert model.stack is None
+        assert model.stack is not None and model.stack.num_layers == len(model.layers)
 
 
-@needs_packing
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_decoder_stack_computes_the_python_loops_bits(tmp_path, family):
+def test_decoder_stack_computes_the_python_loops_bits(tmp_path, family, dtype):
     """The C++ DecoderStack against the model's own layer loop, on prompt chunks, a mixed step and
-    decode steps: the same kernels in the same order (gate_up and SiLU as one pass where a step has
-    more than 8 rows), so the same bits."""
+    decode steps: the same kernels in the same order (in bf16 gate_up and SiLU as one pass where a step
+    has more than 8 rows; in float32 always the two, as the loop runs them), so the same bits."""
     _save_tiny_hf_model(FAMILIES[family](), tmp_path)
-    model = load_model(tmp_path, torch.bfloat16, "cpu")
+    model = load_model(tmp_path, dtype, "cpu")
     if model.stack is None:
-        pytest.skip("this CPU build has no linear (AVX-512 BF16 or AVX2 with FMA), so no DecoderStack")
+        pytest.skip(
+            "this CPU build has no linear for the dtype (see cpu_ops.linear_kernels), so no DecoderStack"
+        )
     stack = model.stack
     gen = torch.Generator().manual_seed(5)
     tokens = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (40, 30)]
@@ -388,7 +390,8 @@ def test_decoder_stack_refuses_weights_it_cannot_read():
     for change, message in (
         ({"qkv_bias": torch.zeros(q + 2 * kv - 1, dtype=bf16)}, "qkv: the bias must be"),
         ({"o_bias": torch.zeros(hidden)}, "o: the bias must be"),  # float32
-        ({"down": pack(hidden, intermediate - 2)}, "down: expected a weight"),
+        ({"down": pack(hidden, intermediate - 2)}, "down: expected a bf16 weight"),
+        ({"o": kernels.pack_linear_weight(torch.randn(hidden, q))}, "o: expected a bf16 weight"),  # float32
         ({"post_attention_norm": torch.ones(2 * hidden, dtype=bf16)[::2]}, "post_attention_norm must be"),
         ({"q_norm": torch.ones(head_dim, dtype=bf16)}, "q_norm and k_norm come together"),
     ):
@@ -400,6 +403,29 @@ def test_decoder_stack_refuses_weights_it_cannot_read():
     # Its linears read the rows in whole pairs: odd sizes are refused when the stack is made.
     with pytest.raises(RuntimeError, match="even hidden, intermediate and head sizes"):
         cpu_ops.decoder_stack(**{**shape, "intermediate": 63}, final_norm=norm)
+    # The final norm's dtype is the stack's: a float32 stack takes float32 weights alone.
+    with pytest.raises(RuntimeError, match="runs bf16 or float32 models, not Half"):
+        cpu_ops.decoder_stack(**shape, final_norm=norm.half())
+    if cpu_ops.linear_kernels(torch.float32) is not None:
+        stack32 = cpu_ops.decoder_stack(**shape, final_norm=norm.float())
+        with pytest.raises(RuntimeError, match="qkv: expected a float32 weight"):
+            stack32.add_layer(**layer)
+        with pytest.raises(RuntimeError, match="input_norm must be contiguous float32"):
+            stack32.add_layer(
+                **{
+                    **layer,
+                    **{
+                        n: kernels.pack_linear_weight(w)
+                        for n, w in (
+                            ("qkv", torch.randn(q + 2 * kv, hidden)),
+                            ("o", torch.randn(hidden, q)),
+                            ("gate_up", torch.randn(2 * intermediate, hidden)),
+                            ("down", torch.randn(hidden, intermediate)),
+                        )
+                    },
+                }
+            )
+        assert stack32.num_layers == 0
 
 
 def test_loader_refuses_pickle_checkpoints(tmp_path):

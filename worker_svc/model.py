@@ -432,8 +432,7 @@ class CausalLM(nn.Module):
                     setattr(module, name, PackedLinear(child.weight, child.bias, kernels))
         if self.lm_head is None:
             self.tied_head = PackedLinear(self.embed_tokens.weight, None, kernels)
-        # DecoderStack is bf16's: a float32 model runs its layers in forward's Python loop.
-        if kernels is not None and self.dtype == torch.bfloat16:
+        if kernels is not None:
             self.stack = self._build_stack()
 
     def _build_stack(self) -> Any:
