@@ -448,6 +448,7 @@ needs_linear_f32 = pytest.mark.skipif(
         (13, 33, 97),
         (50, 40, 1000),
         (97, 960, 96),
+        (130, 40, 1000),
     ],
 )
 @pytest.mark.parametrize("bias", [False, True])
@@ -457,7 +458,9 @@ def test_float32_linear_is_within_float32_summation_of_the_exact_product(rows, n
     # four runs side by side a thread (960 columns: 30 blocks a thread, 7 in each run and 2 left; 17
     # columns: two blocks, one a thread, alone), two rows as two runs (200 columns: 13 blocks, 6 and 7 a
     # thread, 3 each in two runs and 0 or 1 left), more rows in passes of up to 6 over each block (7: 3 +
-    # 4, 13: 4 + 4 + 5, 97: 17 passes); N and K not multiples of 16 exercise the padded blocks.
+    # 4, 13: 4 + 4 + 5), past 96 rows (48 where K is over 768) in groups, each through all the blocks (97
+    # rows of K = 96: 48 + 49; 50 of K = 1000: 25 + 25; 130: 43 + 43 + 44); N and K not multiples of 16
+    # exercise the padded blocks.
     gen = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
@@ -474,11 +477,11 @@ def test_float32_linear_is_within_float32_summation_of_the_exact_product(rows, n
 @needs_linear_f32
 @pytest.mark.parametrize(("n", "k"), [(200, 96), (960, 64), (33, 1000)])
 def test_float32_linear_gives_a_row_the_same_bits_in_any_pass(n, k):
-    # Every pass, of one row as four runs, of two as two, of 3 to 6 rows over a block, sums a row's
-    # products with FMAs in k order: a row's result does not depend on the rows beside it. So that any other
-    # order shows, x holds +2^40 and -2^40 against equal weights at k/3 and 2k/3: in k order the sum up to
-    # 2k/3 vanishes (absorbed, then cancelled) and only the terms after it are left.
-    rows = 20
+    # Every pass, of one row as four runs, of two as two, of 3 to 6 rows over a block, in one group of rows or
+    # several, sums a row's products with FMAs in k order: a row's result does not depend on the rows beside
+    # it. So that any other order shows, x holds +2^40 and -2^40 against equal weights at k/3 and 2k/3: in
+    # k order the sum up to 2k/3 vanishes (absorbed, then cancelled) and only the terms after it are left.
+    rows = 110  # past one group of rows (96 up to K = 768, else 48)
     gen = torch.Generator().manual_seed(n + k)
     weight = torch.randn(n, k, generator=gen)
     b = torch.randn(n, generator=gen)
@@ -487,12 +490,12 @@ def test_float32_linear_gives_a_row_the_same_bits_in_any_pass(n, k):
     x[:, k // 3], x[:, 2 * k // 3] = 2.0**40, -(2.0**40)
     kernels = cpu_ops.linear_kernels(torch.float32)
     packed = kernels.pack_linear_weight(weight)
-    whole = kernels.linear(x, packed, n, b)  # 20 rows: passes of 5
+    whole = kernels.linear(x, packed, n, b)
     # Where 2^40 w is large enough to absorb every term (|w| > 0.01: a float32 step of 2^10 or more).
     tail = x[:, 2 * k // 3 + 1 :].double() @ weight[:, 2 * k // 3 + 1 :].double().T + b.double()
     big = weight[:, k // 3].abs() > 0.01
     torch.testing.assert_close(whole[:, big].double(), tail[:, big], rtol=1e-5, atol=1e-3)
-    for start, size in [(0, 1), (5, 1), (1, 2), (7, 2), (2, 3), (3, 4), (9, 6), (0, 7), (4, 13)]:
+    for start, size in [(0, 1), (5, 1), (1, 2), (7, 2), (2, 3), (3, 4), (9, 6), (0, 7), (4, 13), (3, 50)]:
         part = kernels.linear(x[start : start + size], packed, n, b)
         assert torch.equal(part, whole[start : start + size]), (start, size)
 
