@@ -3367,45 +3367,40 @@ void linear_to(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat16
 #endif
 }
 
-// linear for a float32 W: x float32 [..., K].
-at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                      const c10::optional<at::Tensor>& bias) {
-  check_linear_f32(x, packed, n, bias);
-  const int64_t k = x.size(-1);
-  at::Tensor x2 = x.reshape({-1, k});
-  if (x2.stride(-1) != 1) x2 = x2.contiguous();
-  const int64_t m = x2.size(0);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0) return y.view(out_shape);
+// y [m, n] (rows ldy apart) = x [m, k] (rows ldx apart) @ W^T + bias for a float32 W that
+// pack_linear_weight packed: linear_to's float32 twin.
+void linear_f32_to(const float* x, int64_t ldx, int64_t m, const float* w, int64_t k, int64_t n,
+                   const float* bias, float* y, int64_t ldy) {
+  if (m == 0) return;
 #if defined(__AVX2__) && defined(__FMA__)
-  linear_f32_avx2(x2.const_data_ptr<float>(), x2.stride(0), m, packed.const_data_ptr<float>(), k, n,
-                  bias.has_value() ? bias->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(),
-                  y.stride(0));
+  linear_f32_avx2(x, ldx, m, w, k, n, bias, y, ldy);
 #else
   TORCH_CHECK(false, "this build has no float32 linear: it needs AVX2 with FMA (see has_linear_f32)");
 #endif
-  return y.view(out_shape);
 }
 
 // y = x @ W^T + bias for the W that pack_linear_weight packed; n is W's N (the packed copy is padded).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                   const c10::optional<at::Tensor>& bias) {
-  if (packed.scalar_type() == at::kFloat) return linear_f32(x, packed, n, bias);
-  check_linear(x, packed, n, bias);
-  const int64_t pairs = packed.size(1), k = x.size(-1);
+  const bool f32 = packed.scalar_type() == at::kFloat;
+  f32 ? check_linear_f32(x, packed, n, bias) : check_linear(x, packed, n, bias);
+  const int64_t k = x.size(-1);
   at::Tensor x2 = x.reshape({-1, k});
-  // The kernel reads x in whole pairs: an odd K gets a zero column (the packed weight has one too).
-  if (k % 2 != 0) x2 = at::constant_pad_nd(x2, {0, 1});
+  // The bf16 kernel reads x in whole pairs: an odd K gets a zero column (the packed weight has one too).
+  if (!f32 && k % 2 != 0) x2 = at::constant_pad_nd(x2, {0, 1});
   if (x2.stride(-1) != 1) x2 = x2.contiguous();
   const int64_t m = x2.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
   at::Tensor y = at::empty({m, n}, x.options());
-  linear_to(x2.const_data_ptr<at::BFloat16>(), x2.stride(0), m, packed.const_data_ptr<at::BFloat16>(), pairs,
-            n, bias.has_value() ? bias->const_data_ptr<at::BFloat16>() : nullptr,
-            y.mutable_data_ptr<at::BFloat16>(), y.stride(0));
+  if (f32)
+    linear_f32_to(x2.const_data_ptr<float>(), x2.stride(0), m, packed.const_data_ptr<float>(), k, n,
+                  bias.has_value() ? bias->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(),
+                  y.stride(0));
+  else
+    linear_to(x2.const_data_ptr<at::BFloat16>(), x2.stride(0), m, packed.const_data_ptr<at::BFloat16>(),
+              packed.size(1), n, bias.has_value() ? bias->const_data_ptr<at::BFloat16>() : nullptr,
+              y.mutable_data_ptr<at::BFloat16>(), y.stride(0));
   return y.view(out_shape);
 }
 
@@ -3805,12 +3800,7 @@ class DecoderStackT final : public StackBase {
   static void linear(const T* x, int64_t rows, const at::Tensor& packed, int64_t k, int64_t n,
                      const c10::optional<at::Tensor>& bias, T* y) {
     if constexpr (std::is_same_v<T, float>) {
-#if defined(__AVX2__) && defined(__FMA__)
-      if (rows > 0)
-        linear_f32_avx2(x, k, rows, packed.const_data_ptr<float>(), k, n, data_or_null<float>(bias), y, n);
-#else
-      TORCH_CHECK(false, "this build has no float32 linear (see has_linear_f32)");
-#endif
+      linear_f32_to(x, k, rows, packed.const_data_ptr<float>(), k, n, data_or_null<float>(bias), y, n);
     } else {
       linear_to(x, k, rows, packed.const_data_ptr<T>(), k / 2, n, data_or_null<T>(bias), y, n);
     }

@@ -14,9 +14,9 @@ with its residual add, RoPE with the KV write, and SiLU with its product, are on
 BF16 it also has a linear layer, at least as fast as oneDNN at every batch size (model.PackedLinear),
 and on AVX2 with FMA one that widens the bf16 weights as it streams them; with either, DecoderStack runs
 all decoder layers of a step in one call. Float32 models get a linear layer of their own (AVX2 with FMA),
-faster than oneDNN's at every batch size on the CPUs measured. Where the tiled path cannot run, long prompts in the model's
-Python layer loop take dense SDPA (reference.prefill_sequence), which beats the per-row kernel on them;
-DecoderStack has no such fallback (see the note on decoder_stack).
+faster than oneDNN's at every batch size on the CPUs measured, and their DecoderStack too. Where the tiled
+path cannot run, long prompts in the model's Python layer loop take dense SDPA (reference.prefill_sequence),
+which beats the per-row kernel on them; DecoderStack has no such fallback (see the note on decoder_stack).
 """
 
 from __future__ import annotations
