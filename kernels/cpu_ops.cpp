@@ -2248,6 +2248,12 @@ constexpr int64_t kPrefetchBytes = 4096;
 // in the rounds where a plain read loop reached 40 GB/s or more); whole decode steps of 1 and 4
 // sequences 0.92-0.997 of the time (2 KB: 0.97-1.0, 512 bytes: 0.985-1.06, none: 0.99-1.0). Two
 // streams keep 4 KB: with 8 rows, 1 KB ahead or none made a step 1.15-1.23x as long.
+// A single row prefetches nothing: the hardware's own prefetchers keep four streams fed, and its loads
+// then issue sooner. A 2-core Zen 4 EPYC whose plain read (a sum) ran at 42-75 GB/s, decode steps of one
+// sequence at 64 positions, alternating step by step and sorted by the sum's rate measured just before:
+// forward passes where the sum read 55 GB/s or more 5.09-5.12 -> 4.73 ms (a third run 5.38 -> 5.13),
+// 45-55 GB/s 6.53 -> 6.45 ms; at 512 and 2048 positions 0.97-1.01x as long in slow moments and 0.93-0.97x
+// in fast ones. With 4 rows, none made a step 1.03x as long.
 constexpr int64_t kFourStreamPrefetchBytes = 1024;
 
 // The blocks (or slots of blocks) of W shared out among `threads` threads as runs, thread t's run being slots
@@ -2401,7 +2407,7 @@ void block_kernel_streams(const at::BFloat16* w, int64_t step, const at::BFloat1
                           int64_t pairs, const __m512* bias, at::BFloat16* y, int64_t ldy,
                           const __mmask16* cols) {
   const int64_t w_step = step * pairs * 2 * kBlock;
-  constexpr int64_t ahead = S >= 4 ? kFourStreamPrefetchBytes : kPrefetchBytes;
+  constexpr int64_t ahead = S >= 4 ? (ROWS == 1 ? 0 : kFourStreamPrefetchBytes) : kPrefetchBytes;
   __m512 acc[S][U][ROWS];
 #pragma GCC unroll 32
   for (int s = 0; s < S; ++s)
@@ -2416,7 +2422,7 @@ void block_kernel_streams(const at::BFloat16* w, int64_t step, const at::BFloat1
 #pragma GCC unroll 32
       for (int s = 0; s < S; ++s) {
         const at::BFloat16* line = w + s * w_step + (p + u) * 2 * kBlock;
-        _mm_prefetch(reinterpret_cast<const char*>(line) + ahead, _MM_HINT_T1);
+        if constexpr (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(line) + ahead, _MM_HINT_T1);
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(line);
 #pragma GCC unroll 32
         for (int r = 0; r < ROWS; ++r) acc[s][u][r] = dot_pair(acc[s][u][r], wv, x + r * ldx + 2 * (p + u));
