@@ -13,7 +13,7 @@ cell's memory ceiling is measured in the cell's own seconds: a copy of 256 MB be
 the median of those against the median of the steps in between (the bandwidth measured at the start is
 printed too). A timed step follows a step, as in serving, not the copy: a copy leaves the last level
 cache full of its written lines, which the step that follows must write back to memory as it reads (one
-sequence at 512 and 2048 positions, 2-core Zen 4 EPYC: 1.02-1.09x as long after a copy as after a step).
+sequence at 512 and 2048 positions, 2-core Zen 5 EPYC: 1.02-1.09x as long after a copy as after a step).
 
 The read bandwidth (a sum over a large tensor) is printed next to the copy's: the weights are only
 read, and on some machines a copy, which counts its reads and its writes, measures more than a read.

@@ -2255,11 +2255,11 @@ constexpr int64_t kBlockPrefetchBytes = 8192;
 // sequences 0.92-0.997 of the time (2 KB: 0.97-1.0, 512 bytes: 0.985-1.06, none: 0.99-1.0). Two
 // streams keep 4 KB: with 8 rows, 1 KB ahead or none made a step 1.15-1.23x as long.
 // A single row prefetches nothing: the hardware's own prefetchers keep four streams fed, and its loads
-// then issue sooner. A 2-core Zen 4 EPYC whose plain read (a sum) ran at 42-75 GB/s, decode steps of one
-// sequence at 64 positions, alternating step by step and sorted by the sum's rate measured just before:
-// forward passes where the sum read 55 GB/s or more 5.09-5.12 -> 4.73 ms (a third run 5.38 -> 5.13),
-// 45-55 GB/s 6.53 -> 6.45 ms; at 512 and 2048 positions 0.97-1.01x as long in slow moments and 0.93-0.97x
-// in fast ones. With 4 rows, none made a step 1.03x as long.
+// then issue sooner. A 2-core Zen 5 EPYC whose plain read (a sum) ran at 42-75 GB/s, single-sequence decode
+// steps alternating step by step: at 512 and 2048 positions 0.93-0.97x as long where the copy ran at 60-66
+// GB/s, 0.99-1.01x where it ran at 37-40; forward passes at 64 positions, sorted by the sum's rate just
+// before each, 5.09 -> 4.73 ms where it read 55 GB/s or more (both with the threads sharing their runs,
+// which alone changed nothing). With 4 rows, none made a step 1.03x as long.
 constexpr int64_t kFourStreamPrefetchBytes = 1024;
 
 // The blocks (or slots of blocks) of W shared out among `threads` threads as runs, thread t's run being slots
