@@ -2240,8 +2240,8 @@ constexpr int64_t kBlock = 16;  // output columns per block: one zmm of float32 
 constexpr int kMaxRows = 30;
 // How far ahead of the line being read W is prefetched, into L2. Without it two threads stream about
 // 26 GB/s at M = 1 (bench.py, gate_up); 4 KB ahead gives 29-31 GB/s, about what a bare read loop reaches
-// on this machine. Nearer distances, or prefetching into L1, do less. The prefetches run up to 4 KB past
-// the end of the packed weight, which is harmless (a prefetch never faults).
+// on this machine. Nearer distances, or prefetching into L1, do less. The prefetches run up to 4 KB (8 KB
+// in block_kernel, below) past the end of the packed weight, which is harmless (a prefetch never faults).
 constexpr int64_t kPrefetchBytes = 4096;
 // block_kernel (the passes of 9 rows and more on AVX-512 BF16) prefetches 8 KB ahead: on a 2-core Zen 5
 // EPYC, whose dot products run at twice the rate of Zen 4's, its passes wait on memory more than on the
