@@ -59,6 +59,38 @@ def test_the_build_is_named_after_the_sources(tmp_path, monkeypatch, source):
 # ---- attention ------------------------------------------------------------------------------------------
 
 
+def _prefetches_by_function(library: str) -> dict[str, int]:
+    """Prefetch instructions in each function of a shared library, by demangled name (objdump)."""
+    listing = subprocess.run(
+        ["objdump", "-d", "-C", "--no-show-raw-insn", library], capture_output=True, text=True, check=True
+    ).stdout
+    counts: dict[str, int] = {}
+    name = ""
+    for line in listing.splitlines():
+        if line.endswith(">:") and " <" in line:
+            name = line.split(" <", 1)[1][:-2]
+            counts[name] = 0
+        elif "\tprefetch" in line and name:
+            counts[name] += 1
+    return counts
+
+
+@pytest.mark.skipif(
+    shutil.which("objdump") is None or platform.machine() != "x86_64",
+    reason="reads the x86-64 build with objdump",
+)
+def test_the_attention_kernels_keep_their_prefetches():
+    # The next block of a sequence lies anywhere in the pool, so its prefetch is what keeps a kernel from
+    # waiting on memory block after block; a helper that only prefetches looks free of side effects to the
+    # compiler, which once deleted its calls and left the tiled kernel without any.
+    counts = _prefetches_by_function(cpu_ops.load().__file__)
+    for kernel in ("paged_attention_impl<float>", "paged_attention_impl<c10::BFloat16>"):
+        assert sum(n for name, n in counts.items() if kernel in name) > 0, kernel
+    if cpu_ops.load().has_linear():  # AVX2 with FMA, or AVX-512: the builds with a tiled kernel
+        for kernel in ("tiled_attention_impl<float>", "tiled_attention_impl<c10::BFloat16>"):
+            assert sum(n for name, n in counts.items() if kernel in name) > 0, kernel
+
+
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), DECODE_PARAMS)
 def test_decode_attention_matches_per_token_oracle(num_kv_heads, group, head_dim, block_size, dtype):
     check_decode_against_oracle(cpu_ops, num_kv_heads, group, head_dim, block_size, dtype)
