@@ -100,7 +100,10 @@ constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-
                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
 #if defined(__AVX512F__)
-inline __m512 exp512(__m512 in) {
+// Always inlined: the tiled kernel's calls (4 a pair of positions) otherwise spill its live registers, all
+// caller-saved; one layer of SmolLM2's attention in L2, alternating in one process: 15 queries after 685
+// positions 0.98-0.99x as long, a prompt of 500 tokens 0.96-0.97x.
+__attribute__((always_inline)) inline __m512 exp512(__m512 in) {
   const __m512 lo = _mm512_set1_ps(kExpMin), hi = _mm512_set1_ps(kExpMax);
   const __m512 v = _mm512_min_ps(_mm512_max_ps(in, lo), hi);
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(kLog2e)),
