@@ -45,6 +45,7 @@
 // attention. The plain loops are the portable definition.
 
 namespace {
+inline void prefetch_line(const char* p, bool write);
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
@@ -265,12 +266,25 @@ inline void block_scores_avx512(const float* q, const float* rows, int64_t strid
 }
 #endif
 
+// block_scores_bf16 prefetches its fetch_lines (at most kSpreadLines) 64-byte lines at fetch, a share of
+// the next block, one or two a row, between the dot products: issued in one burst before the call, they held
+// up the kernel until the memory took them. Decode attention of 30 layers, each read from memory (2-core Zen
+// 5, blocks scattered in huge pages, alternating in one process), with accumulate_group_bf16 spreading its
+// share the same way: 24 sequences of 300 positions 218 -> 203 and 279 -> 227 us a layer, 8 of 800 180 ->
+// 166 and 235 -> 197, one of 2048 83 -> 73; with the caches in L3, 24 of 300 0.96x as long. Where a
+// sequence's next block is the one after it in the pool, though, the burst did better (16 sequences of 400
+// positions, 30 layers from memory: 132 and 125 us a layer against 143 and 138 spread), and it stays; so a
+// decode step of bench_worker (blocks in order) takes as long as before (1.96-1.98x against 1.97-2.00x
+// the floor, alternating).
+constexpr int64_t kSpreadLines = 32;
+
 #if defined(__AVX512BF16__)
 // block_scores of a bf16 query straight from bf16 K rows (no widening): each vdpbf16ps multiplies 32 head
 // dims of the query and a row (every product exact in float32, summed in float32); out is scaled after.
 template <int kVectors>
 inline void block_scores_bf16_avx512(const at::BFloat16* q, const at::BFloat16* rows, int64_t stride,
-                                     int64_t n, float scale, float* out) {
+                                     int64_t n, float scale, float* out, const char* fetch = nullptr,
+                                     int64_t fetch_lines = 0) {
   __m512bh qv[kVectors];
   for (int c = 0; c < kVectors; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
@@ -279,6 +293,8 @@ inline void block_scores_bf16_avx512(const at::BFloat16* q, const at::BFloat16* 
     for (int j = 0; j < 16; ++j) {
       // Lanes past m repeat the last row and are never stored.
       const at::BFloat16* row = rows + (j0 + std::min<int64_t>(j, m - 1)) * stride;
+      if (j < fetch_lines) prefetch_line(fetch + 64 * j, false);
+      if (j + 16 < fetch_lines) prefetch_line(fetch + 64 * (j + 16), false);
       __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(row));
       for (int c = 1; c < kVectors; ++c)
         acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
@@ -286,6 +302,7 @@ inline void block_scores_bf16_avx512(const at::BFloat16* q, const at::BFloat16* 
     }
     _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << m) - 1),
                           _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale)));
+    fetch_lines = 0;
   }
 }
 
@@ -295,18 +312,19 @@ inline bool has_bf16_scores(int64_t size) {
 }
 
 inline void block_scores_bf16(const at::BFloat16* q, const at::BFloat16* rows, int64_t stride, int64_t n,
-                              int64_t size, float scale, float* out) {
+                              int64_t size, float scale, float* out, const char* fetch = nullptr,
+                              int64_t fetch_lines = 0) {
   switch (size) {
     case 32:
-      return block_scores_bf16_avx512<1>(q, rows, stride, n, scale, out);
+      return block_scores_bf16_avx512<1>(q, rows, stride, n, scale, out, fetch, fetch_lines);
     case 64:
-      return block_scores_bf16_avx512<2>(q, rows, stride, n, scale, out);
+      return block_scores_bf16_avx512<2>(q, rows, stride, n, scale, out, fetch, fetch_lines);
     case 96:
-      return block_scores_bf16_avx512<3>(q, rows, stride, n, scale, out);
+      return block_scores_bf16_avx512<3>(q, rows, stride, n, scale, out, fetch, fetch_lines);
     case 128:
-      return block_scores_bf16_avx512<4>(q, rows, stride, n, scale, out);
+      return block_scores_bf16_avx512<4>(q, rows, stride, n, scale, out, fetch, fetch_lines);
     default:
-      return block_scores_bf16_avx512<8>(q, rows, stride, n, scale, out);
+      return block_scores_bf16_avx512<8>(q, rows, stride, n, scale, out, fetch, fetch_lines);
   }
 }
 #endif
@@ -719,10 +737,12 @@ inline void transpose16x16(__m512i r[16]) {
 // pairs (V[j][d], V[j + 1][d]) for 16 dims d a register (one vpermt2w each), and vdpbf16ps adds
 // w[j] * V[j][d] + w[j + 1] * V[j + 1][d] for a broadcast pair of weights, rounded to bf16 first (as the
 // tiled kernel rounds P, and FlashAttention does). Half the instructions of widening each row to float32
-// and a multiply-add per weight.
+// and a multiply-add per weight. The fetch_lines lines at fetch are prefetched a few a step (see
+// block_scores_bf16_avx512).
 template <int kChunks, int kVectors>
 inline void accumulate_group_bf16_avx512(float* acc, const float* w, int64_t w_stride,
-                                         const at::BFloat16* rows, int64_t stride, int64_t n) {
+                                         const at::BFloat16* rows, int64_t stride, int64_t n,
+                                         const char* fetch = nullptr, int64_t fetch_lines = 0) {
   static_assert(kChunks % 2 == 0, "head sizes of whole 32-dim registers");
   // Word k of the pair register is, for even k, word k / 2 of the first row, for odd k that of the second
   // (index 32 + k / 2); the second register of a row's 32 dims starts 16 words further.
@@ -747,6 +767,7 @@ inline void accumulate_group_bf16_avx512(float* acc, const float* w, int64_t w_s
     for (int64_t j = 0; j < m; j += 2) {
       const at::BFloat16* r0 = rows + (j0 + j) * stride;
       const at::BFloat16* r1 = j + 1 < m ? r0 + stride : r0;
+      for (int64_t l = j / 2; l < fetch_lines; l += 8) prefetch_line(fetch + 64 * l, false);
       __m512i v[kChunks];
       for (int c = 0; c < kChunks / 2; ++c) {
         const __m512i x0 = _mm512_loadu_si512(r0 + 32 * c), x1 = _mm512_loadu_si512(r1 + 32 * c);
@@ -758,6 +779,7 @@ inline void accumulate_group_bf16_avx512(float* acc, const float* w, int64_t w_s
         for (int c = 0; c < kChunks; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], (__m512bh)v[c], p);
       }
     }
+    fetch_lines = 0;
   }
   for (int r = 0; r < kVectors; ++r)
     for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + r * 16 * kChunks + 16 * c, a[r][c]);
@@ -768,25 +790,28 @@ inline bool has_bf16_values(int64_t size) { return size == 64 || size == 128; }
 
 // Up to 16 accumulator registers at a time: vectors in runs of 4 (head size 64) or 2 (128).
 inline void accumulate_group_bf16(float* acc, const float* w, int64_t w_stride, int64_t vectors,
-                                  const at::BFloat16* rows, int64_t stride, int64_t n, int64_t size) {
+                                  const at::BFloat16* rows, int64_t stride, int64_t n, int64_t size,
+                                  const char* fetch = nullptr, int64_t fetch_lines = 0) {
   for (int64_t r = 0; r < vectors;) {
     float* out = acc + r * size;
     const float* wr = w + r * w_stride;
     const int64_t left = vectors - r;
+    const char* f = r == 0 ? fetch : nullptr;  // the first run of vectors brings the next block
+    const int64_t lines = r == 0 ? fetch_lines : 0;
     if (size == 64) {
       if (left >= 4) {
-        accumulate_group_bf16_avx512<4, 4>(out, wr, w_stride, rows, stride, n), r += 4;
+        accumulate_group_bf16_avx512<4, 4>(out, wr, w_stride, rows, stride, n, f, lines), r += 4;
       } else if (left == 3) {
-        accumulate_group_bf16_avx512<4, 3>(out, wr, w_stride, rows, stride, n), r += 3;
+        accumulate_group_bf16_avx512<4, 3>(out, wr, w_stride, rows, stride, n, f, lines), r += 3;
       } else if (left == 2) {
-        accumulate_group_bf16_avx512<4, 2>(out, wr, w_stride, rows, stride, n), r += 2;
+        accumulate_group_bf16_avx512<4, 2>(out, wr, w_stride, rows, stride, n, f, lines), r += 2;
       } else {
-        accumulate_group_bf16_avx512<4, 1>(out, wr, w_stride, rows, stride, n), r += 1;
+        accumulate_group_bf16_avx512<4, 1>(out, wr, w_stride, rows, stride, n, f, lines), r += 1;
       }
     } else if (left >= 2) {
-      accumulate_group_bf16_avx512<8, 2>(out, wr, w_stride, rows, stride, n), r += 2;
+      accumulate_group_bf16_avx512<8, 2>(out, wr, w_stride, rows, stride, n, f, lines), r += 2;
     } else {
-      accumulate_group_bf16_avx512<8, 1>(out, wr, w_stride, rows, stride, n), r += 1;
+      accumulate_group_bf16_avx512<8, 1>(out, wr, w_stride, rows, stride, n, f, lines), r += 1;
     }
   }
 }
@@ -995,9 +1020,10 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       // head: v is the first of the head's group of query vectors (the group is v .. v + group - 1), rows
       // the head's rows in the tile, raw the same rows in the cache (slot_stride apart), first the block's
       // first position. The next block (at the last one, `then`'s first: the V walk follows the K walk)
-      // is prefetched a slice before each visit, which keeps the memory busy while the block is computed
-      // (48 sequences of 300 positions, scattered blocks: 0.70 -> 0.59 ms a layer against one prefetch of
-      // the whole block up front). False at a block id outside the cache.
+      // is prefetched a slice a visit, which keeps the memory busy while the block is computed (48
+      // sequences of 300 positions, scattered blocks: 0.70 -> 0.59 ms a layer against one prefetch of the
+      // whole block up front): before the visit, or by the bf16 kernels over their rows where the next
+      // block does not follow this one in the pool (`spread`). False at a block id outside the cache.
       const auto walk = [&](const T* cache, const T* then, bool widen, auto&& visit) {
         for (int64_t b = tk.b0; b < tk.b1; ++b) {
           const int64_t block = table[b];
@@ -1006,10 +1032,13 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
             return false;
           }
           const char* ahead = nullptr;
-          if (b + 1 < tk.b1 && a.valid_block(table[b + 1], b + 1))
+          bool spread = true;  // the next block lies elsewhere: its share goes out over the kernels' rows
+          if (b + 1 < tk.b1 && a.valid_block(table[b + 1], b + 1)) {
             ahead = reinterpret_cast<const char*>(cache + table[b + 1] * a.block_size * a.slot_stride);
-          else if (b + 1 == tk.b1 && then != nullptr && a.valid_block(table[tk.b0], tk.b0))
+            spread = table[b + 1] != block + 1;
+          } else if (b + 1 == tk.b1 && then != nullptr && a.valid_block(table[tk.b0], tk.b0)) {
             ahead = reinterpret_cast<const char*>(then + table[tk.b0] * a.block_size * a.slot_stride);
+          }
           const int64_t first = b * a.block_size, end = std::min(a.block_size, span - first);
           const int64_t i0 = std::max<int64_t>(0, first - c.pos0);
           const int64_t visits = (c.len - i0) * (tk.h1 - tk.h0);
@@ -1024,7 +1053,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
               const int64_t fetch =
                   ahead != nullptr ? std::max<int64_t>(0, std::min(slice, block_bytes - fetched)) : 0;
               visit(i * nq + kh * a.group, &tile[kh * a.head_dim], raw + kh * a.head_dim, first - k0, n,
-                    ahead == nullptr ? nullptr : ahead + fetched, fetch);
+                    ahead == nullptr ? nullptr : ahead + fetched, fetch, spread);
               fetched += fetch;
             }
           }
@@ -1034,7 +1063,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       const bool valid = walk(
           a.k_ptr, a.v_ptr, !raw_scores && !in_place,
           [&](int64_t v0, const float* k_rows, const T* k_raw, int64_t first, int64_t n, const char* fetch,
-              int64_t fetch_bytes) {
+              int64_t fetch_bytes, bool spread) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
             if constexpr (kInPlaceType) {
               if (in_place) {
@@ -1043,15 +1072,23 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
               }
             }
 #endif
-            prefetch(fetch, fetch_bytes);
+            // The bf16 kernels spread the visit's share over their rows, kSpreadLines at most a vector.
+            int64_t lines = 0;
+            if (raw_scores && spread) {
+              lines = std::min((fetch_bytes + 63) / 64, kSpreadLines * a.group);
+              prefetch(fetch + 64 * lines, fetch_bytes - 64 * lines);
+            } else {
+              prefetch(fetch, fetch_bytes);
+            }
             for (int64_t v = v0; v < v0 + a.group; ++v) {
 #if defined(__AVX512BF16__)
               if constexpr (std::is_same_v<T, c10::BFloat16>) {
                 if (raw_scores) {
                   const T* q_raw =
                       a.q_ptr + (c.row0 + v / nq) * a.q_stride + (tk.h0 * a.group + v % nq) * a.head_dim;
+                  const int64_t l0 = (v - v0) * lines / a.group, l1 = (v - v0 + 1) * lines / a.group;
                   block_scores_bf16(q_raw, k_raw, a.slot_stride, n, a.head_dim, a.fscale,
-                                    &scores[v * part_len + first]);
+                                    &scores[v * part_len + first], fetch + 64 * l0, l1 - l0);
                   continue;
                 }
               }
@@ -1084,7 +1121,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       std::fill(sums, sums + c.len * nq * a.head_dim, 0.f);
       walk(a.v_ptr, nullptr, !raw_values && !in_place,
            [&](int64_t v0, const float* v_rows, const T* v_raw, int64_t first, int64_t n, const char* fetch,
-               int64_t fetch_bytes) {
+               int64_t fetch_bytes, bool spread) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
              if constexpr (kInPlaceType) {
                if (in_place) {
@@ -1094,12 +1131,14 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
                }
              }
 #endif
-             prefetch(fetch, fetch_bytes);
+             const bool spread_values = raw_values && spread;  // over the kernel's steps
+             if (!spread_values) prefetch(fetch, fetch_bytes);
 #if defined(__AVX512BF16__)
              if constexpr (std::is_same_v<T, c10::BFloat16>) {
                if (raw_values) {
                  accumulate_group_bf16(&sums[v0 * a.head_dim], &scores[v0 * part_len + first], part_len,
-                                       a.group, v_raw, a.slot_stride, n, a.head_dim);
+                                       a.group, v_raw, a.slot_stride, n, a.head_dim, fetch,
+                                       spread_values ? (fetch_bytes + 63) / 64 : 0);
                  return;
                }
              }
