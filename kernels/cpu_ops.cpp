@@ -2323,7 +2323,9 @@ constexpr int64_t kBlockPrefetchBytes = 8192;
 // steps alternating step by step: at 512 and 2048 positions 0.93-0.97x as long where the copy ran at 60-66
 // GB/s, 0.99-1.01x where it ran at 37-40; forward passes at 64 positions, sorted by the sum's rate just
 // before each, 5.09 -> 4.73 ms where it read 55 GB/s or more (both with the threads sharing their runs,
-// which alone changed nothing). With 4 rows, none made a step 1.03x as long.
+// which alone changed nothing). With 4 rows, none made a step 1.03x as long. Into L1 (prefetcht0) rather
+// than L2 on the Zen 5, alternating step by step at 400 positions: 2 sequences 0.98x as long, 4 0.97x, 8
+// (two streams) even; block_kernel's prefetches the same at 16 sequences, and they stay in L2.
 constexpr int64_t kFourStreamPrefetchBytes = 1024;
 
 // The blocks (or slots of blocks) of W shared out among `threads` threads as runs, thread t's run being slots
@@ -2493,7 +2495,7 @@ void block_kernel_streams(const at::BFloat16* w, int64_t step, const at::BFloat1
 #pragma GCC unroll 32
       for (int s = 0; s < S; ++s) {
         const at::BFloat16* line = w + s * w_step + (p + u) * 2 * kBlock;
-        if constexpr (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(line) + ahead, _MM_HINT_T1);
+        if constexpr (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(line) + ahead, _MM_HINT_T0);
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(line);
 #pragma GCC unroll 32
         for (int r = 0; r < ROWS; ++r) acc[s][u][r] = dot_pair(acc[s][u][r], wv, x + r * ldx + 2 * (p + u));
