@@ -470,8 +470,13 @@ inline float exp_shifted_sum(float* s, int64_t n, float* max_out = nullptr) {
   float max = -std::numeric_limits<float>::infinity(), sum = 0.f;
   int64_t i = 0;
 #if defined(__AVX512F__)
+  // The last n % 16 scores too, masked, where they were scalar code: decode attention of 24 sequences of
+  // 300 positions with the caches in L3, alternating in one process, 0.96x as long.
   __m512 vmax = _mm512_set1_ps(max);
   for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+  vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail, s + i));
+  i = n;
   max = _mm512_reduce_max_ps(vmax);
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 vmax = _mm256_set1_ps(max);
@@ -491,6 +496,14 @@ inline float exp_shifted_sum(float* s, int64_t n, float* max_out = nullptr) {
     const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(max)));
     _mm512_storeu_ps(s + i, e);
     vsum = _mm512_add_ps(vsum, e);
+  }
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(
+        tail, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), _mm512_set1_ps(max))));
+    _mm512_mask_storeu_ps(s + i, tail, e);
+    vsum = _mm512_add_ps(vsum, e);
+    i = n;
   }
   sum = _mm512_reduce_add_ps(vsum);
 #elif defined(__AVX2__) && defined(__FMA__)
