@@ -306,6 +306,80 @@ inline void block_scores_bf16_avx512(const at::BFloat16* q, const at::BFloat16* 
   }
 }
 
+// block_scores_bf16 for G query vectors of head size 64 at once (q_g at q + 64 g, its scores at out +
+// g * out_stride): each K row is loaded once for all of them, and the sums of four rows are reduced as
+// soon as they are done (sum_lanes16's first two levels), so the registers hold G x 4 sums, not G x 16.
+// The same sums in the same order as block_scores_bf16_avx512<2>: the same bits.
+template <int G>
+inline void group_scores_bf16_64(const at::BFloat16* q, const at::BFloat16* rows, int64_t stride, int64_t n,
+                                 float scale, float* out, int64_t out_stride, const char* fetch,
+                                 int64_t fetch_lines) {
+  __m512bh q0[G], q1[G];
+  for (int g = 0; g < G; ++g) {
+    q0[g] = (__m512bh)_mm512_loadu_si512(q + 64 * g);
+    q1[g] = (__m512bh)_mm512_loadu_si512(q + 64 * g + 32);
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    __m512 quad[G][4];  // per vector, the 4 rows k .. k + 3 summed pairwise per 128-bit lane
+    for (int k = 0; k < 4; ++k) {
+      __m512 acc[G][4];
+      for (int r = 0; r < 4; ++r) {
+        const int j = 4 * k + r;
+        // Lanes past m repeat the last row and are never stored.
+        const at::BFloat16* row = rows + (j0 + std::min<int64_t>(j, m - 1)) * stride;
+        for (int64_t l = j; l < fetch_lines; l += 16) prefetch_line(fetch + 64 * l, false);
+        const __m512bh x0 = (__m512bh)_mm512_loadu_si512(row), x1 = (__m512bh)_mm512_loadu_si512(row + 32);
+        for (int g = 0; g < G; ++g)
+          acc[g][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0[g], x0), q1[g], x1);
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512 t0 =
+            _mm512_add_ps(_mm512_unpacklo_ps(acc[g][0], acc[g][1]), _mm512_unpackhi_ps(acc[g][0], acc[g][1]));
+        const __m512 t1 =
+            _mm512_add_ps(_mm512_unpacklo_ps(acc[g][2], acc[g][3]), _mm512_unpackhi_ps(acc[g][2], acc[g][3]));
+        const __m512d a = _mm512_castps_pd(t0), b = _mm512_castps_pd(t1);
+        quad[g][k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      __m512 w[2];
+      for (int i = 0; i < 2; ++i)
+        w[i] =
+            _mm512_add_ps(_mm512_shuffle_f32x4(quad[g][2 * i], quad[g][2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(quad[g][2 * i], quad[g][2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+      const __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                        _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+      _mm512_mask_storeu_ps(out + g * out_stride + j0, static_cast<__mmask16>((1u << m) - 1),
+                            _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+    }
+    fetch_lines = 0;
+  }
+}
+
+// group_scores_bf16_64 for any number of vectors (q_g 64 apart): three at a time, then the one or two left.
+// 24 sequences of 300 positions with the caches in L3 (SmolLM2's group of 3), alternating in one process:
+// the decode attention 0.84x as long as with one vector at a time; from memory 0.95-0.99x.
+inline void group_scores_bf16_64(const at::BFloat16* q, int64_t vectors, const at::BFloat16* rows,
+                                 int64_t stride, int64_t n, float scale, float* out, int64_t out_stride,
+                                 const char* fetch, int64_t fetch_lines) {
+  for (int64_t g = 0; g < vectors;) {
+    const int64_t run = std::min<int64_t>(3, vectors - g);
+    // The visit's share of the next block over the runs, as over the vectors before.
+    const int64_t l0 = g * fetch_lines / vectors, l1 = (g + run) * fetch_lines / vectors;
+    const at::BFloat16* qg = q + 64 * g;
+    float* og = out + g * out_stride;
+    if (run == 3)
+      group_scores_bf16_64<3>(qg, rows, stride, n, scale, og, out_stride, fetch + 64 * l0, l1 - l0);
+    else if (run == 2)
+      group_scores_bf16_64<2>(qg, rows, stride, n, scale, og, out_stride, fetch + 64 * l0, l1 - l0);
+    else
+      group_scores_bf16_64<1>(qg, rows, stride, n, scale, og, out_stride, fetch + 64 * l0, l1 - l0);
+    g += run;
+  }
+}
+
 // Head sizes block_scores_bf16 takes.
 inline bool has_bf16_scores(int64_t size) {
   return size == 32 || size == 64 || size == 96 || size == 128 || size == 256;
@@ -1093,6 +1167,16 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
             } else {
               prefetch(fetch, fetch_bytes);
             }
+#if defined(__AVX512BF16__)
+            if constexpr (std::is_same_v<T, c10::BFloat16>) {
+              if (raw_scores && a.head_dim == 64) {  // the group's vectors (one row's heads) side by side
+                const T* q_raw =
+                    a.q_ptr + (c.row0 + v0 / nq) * a.q_stride + (tk.h0 * a.group + v0 % nq) * a.head_dim;
+                return group_scores_bf16_64(q_raw, a.group, k_raw, a.slot_stride, n, a.fscale,
+                                            &scores[v0 * part_len + first], part_len, fetch, lines);
+              }
+            }
+#endif
             for (int64_t v = v0; v < v0 + a.group; ++v) {
 #if defined(__AVX512BF16__)
               if constexpr (std::is_same_v<T, c10::BFloat16>) {
