@@ -266,16 +266,16 @@ inline void block_scores_avx512(const float* q, const float* rows, int64_t strid
 }
 #endif
 
-// block_scores_bf16 prefetches its fetch_lines (at most kSpreadLines) 64-byte lines at fetch, a share of
-// the next block, one or two a row, between the dot products: issued in one burst before the call, they held
-// up the kernel until the memory took them. Decode attention of 30 layers, each read from memory (2-core Zen
-// 5, blocks scattered in huge pages, alternating in one process), with accumulate_group_bf16 spreading its
-// share the same way: 24 sequences of 300 positions 218 -> 203 and 279 -> 227 us a layer, 8 of 800 180 ->
-// 166 and 235 -> 197, one of 2048 83 -> 73; with the caches in L3, 24 of 300 0.96x as long. Where a
-// sequence's next block is the one after it in the pool, though, the burst did better (16 sequences of 400
-// positions, 30 layers from memory: 132 and 125 us a layer against 143 and 138 spread), and it stays; so a
-// decode step of bench_worker (blocks in order) takes as long as before (1.96-1.98x against 1.97-2.00x
-// the floor, alternating).
+// The bf16 decode kernels (block_scores_bf16, group_scores_bf16_64, accumulate_group_bf16) prefetch their
+// fetch_lines 64-byte lines at fetch, a share of the next block, a few a row between the dot products
+// (block_scores_bf16 up to kSpreadLines, two a row): issued in one burst before the call, they held up the
+// kernel until the memory took them. Decode attention of 30 layers, each read from memory (2-core Zen 5,
+// blocks scattered in huge pages, alternating in one process): 24 sequences of 300 positions 218 -> 203 and
+// 279 -> 227 us a layer, 8 of 800 180 -> 166 and 235 -> 197, one of 2048 83 -> 73; with the caches in L3, 24
+// of 300 0.96x as long. Where a sequence's next block is the one after it in the pool, though, the burst did
+// better (16 sequences of 400 positions, 30 layers from memory: 132 and 125 us a layer against 143 and 138
+// spread), and it stays; so a decode step of bench_worker (blocks in order) takes as long as before
+// (1.96-1.98x against 1.97-2.00x the floor, alternating).
 constexpr int64_t kSpreadLines = 32;
 
 #if defined(__AVX512BF16__)
