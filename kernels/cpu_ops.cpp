@@ -45,7 +45,6 @@
 // attention. The plain loops are the portable definition.
 
 namespace {
-inline void prefetch_line(const char* p, bool write);
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
@@ -224,6 +223,77 @@ inline bool with_head_chunks(int64_t size, F&& f) {
 }
 #endif
 
+// One line on its way to the cache, for reading (prefetcht0, as __builtin_prefetch(p, 0, 3)) or for
+// writing (prefetchw). On x86-64 an asm statement: GCC gives __builtin_prefetch no side effects, so a
+// function that only prefetches (prefetch_tile_block, prefetch_tile) was found to be const and its calls
+// deleted, and the tiled kernel ran with no prefetch at all. 15 queries after 685 cached positions, 30
+// layers' caches (one read from memory per layer, scattered blocks, 2-core Zen 5, alternating): 166-241
+// -> 96-127 us a layer. Into L1 rather than L2 (prefetcht2, before): the same, alternating in one process,
+// 99.7 -> 96.0 and 158.6 -> 110.2 us; decode steps 0.97-0.98x as long (one sequence at 512 and 2048
+// positions, 16 at 400).
+inline void prefetch_line(const char* p, bool write) {
+#if defined(__x86_64__)
+  if (write)
+    asm volatile("prefetchw %0" : : "m"(*p));
+  else
+    asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  if (write)
+    __builtin_prefetch(p, 1, 1);
+  else
+    __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+// Brings the bytes [ptr, ptr + bytes) towards the cache ahead of use: the next block of a sequence lies
+// anywhere in the pool, so the hardware prefetcher cannot guess it.
+inline void prefetch(const void* ptr, int64_t bytes) {
+  const char* p = static_cast<const char*>(ptr);
+  for (int64_t off = 0; off < bytes; off += 64) prefetch_line(p + off, false);
+}
+
+// prefetch for lines about to be written (owned by this core when the stores come).
+inline void prefetch_write(const void* ptr, int64_t bytes) {
+  const char* p = static_cast<const char*>(ptr);
+  for (int64_t off = 0; off < bytes; off += 64) prefetch_line(p + off, true);
+}
+
+// The bytes [at, at + bytes) (the next block of the cache) prefetched a share at a time over `steps` steps
+// of a kernel, so that the prefetches do not queue up behind each other in one burst: issued back to back
+// before each visit of a block, a decode row's prefetches held half of `perf`'s samples of the attention's
+// own code (beside its kernels). One layer of SmolLM2's attention, blocks scattered, caches in huge pages,
+// alternating: 24 decode rows over 300 positions 692 -> 579 and 456 -> 367 us, 8 rows 183 -> 151 and 189 ->
+// 163 us, one row over 2048 positions 143 -> 118 and 152 -> 124 us; the same bits. Prompt rows, whose
+// shares are small (below kFetchBurstBytes), prefetch before each visit as before: shared out, they ran
+// 3-6 % slower. The same on AVX-512 BF16 (30 layers, each read from memory, 2-core Zen 5, alternating in
+// one process): 24 sequences of 300 positions 218 -> 203 and 279 -> 227 us a layer, 8 of 800 180 -> 166
+// and 235 -> 197, one of 2048 83 -> 73; with the caches in L3, 24 of 300 0.96x as long. Where a sequence's
+// next block is the one after it in the pool, though, the burst did better there (16 sequences of 400
+// positions: 132 and 125 us a layer against 143 and 138 shared out), and it stays (see paged_attention_impl's
+// walk). (Measured with a share of lines interleaved across the rows; this even split, alternating builds
+// three times: 24 of 300 scattered 179-214 against 191-202 us, 16 of 400 in order and one of 2048 even.)
+struct FetchShare {
+  const char* at;
+  int64_t bytes, per_step;
+  FetchShare(const char* at, int64_t bytes, int64_t steps)
+      : at(at),
+        bytes(bytes),
+        per_step(bytes > 0 ? ((bytes + 63) / 64 + steps - 1) / std::max<int64_t>(1, steps) * 64 : 0) {}
+  void step() {
+    const int64_t now = std::min(per_step, bytes);
+    prefetch(at, now);
+    at += now, bytes -= now;
+  }
+  void rest() {
+    prefetch(at, bytes);
+    bytes = 0;
+  }
+};
+
+// Up to this many bytes of the next block are prefetched before a visit (a prompt row's share); more (a
+// decode row's) are shared out over the kernels' steps (see FetchShare).
+constexpr int64_t kFetchBurstBytes = 1024;
+
 // out[j] = dot(q, rows + j * stride) for j < n: the scores of one query against a block's K rows.
 #if defined(__AVX512F__)
 // Sums each of 16 vectors into one lane of the result (lane j = sum of v[j]): a transposing tree of
@@ -266,25 +336,14 @@ inline void block_scores_avx512(const float* q, const float* rows, int64_t strid
 }
 #endif
 
-// The bf16 decode kernels (block_scores_bf16, group_scores_bf16_64, accumulate_group_bf16) prefetch their
-// fetch_lines 64-byte lines at fetch, a share of the next block, a few a row between the dot products
-// (block_scores_bf16 up to kSpreadLines, two a row): issued in one burst before the call, they held up the
-// kernel until the memory took them. Decode attention of 30 layers, each read from memory (2-core Zen 5,
-// blocks scattered in huge pages, alternating in one process): 24 sequences of 300 positions 218 -> 203 and
-// 279 -> 227 us a layer, 8 of 800 180 -> 166 and 235 -> 197, one of 2048 83 -> 73; with the caches in L3, 24
-// of 300 0.96x as long. Where a sequence's next block is the one after it in the pool, though, the burst did
-// better (16 sequences of 400 positions, 30 layers from memory: 132 and 125 us a layer against 143 and 138
-// spread), and it stays; so a decode step of bench_worker (blocks in order) takes as long as before
-// (1.96-1.98x against 1.97-2.00x the floor, alternating).
-constexpr int64_t kSpreadLines = 32;
-
 #if defined(__AVX512BF16__)
 // block_scores of a bf16 query straight from bf16 K rows (no widening): each vdpbf16ps multiplies 32 head
 // dims of the query and a row (every product exact in float32, summed in float32); out is scaled after.
 template <int kVectors>
 inline void block_scores_bf16_avx512(const at::BFloat16* q, const at::BFloat16* rows, int64_t stride,
                                      int64_t n, float scale, float* out, const char* fetch = nullptr,
-                                     int64_t fetch_lines = 0) {
+                                     int64_t fetch_bytes = 0) {
+  FetchShare ahead(fetch, fetch_bytes, 16);  // over the first 16 rows
   __m512bh qv[kVectors];
   for (int c = 0; c < kVectors; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
@@ -293,8 +352,7 @@ inline void block_scores_bf16_avx512(const at::BFloat16* q, const at::BFloat16* 
     for (int j = 0; j < 16; ++j) {
       // Lanes past m repeat the last row and are never stored.
       const at::BFloat16* row = rows + (j0 + std::min<int64_t>(j, m - 1)) * stride;
-      if (j < fetch_lines) prefetch_line(fetch + 64 * j, false);
-      if (j + 16 < fetch_lines) prefetch_line(fetch + 64 * (j + 16), false);
+      ahead.step();
       __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(row));
       for (int c = 1; c < kVectors; ++c)
         acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
@@ -302,8 +360,8 @@ inline void block_scores_bf16_avx512(const at::BFloat16* q, const at::BFloat16* 
     }
     _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << m) - 1),
                           _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale)));
-    fetch_lines = 0;
   }
+  ahead.rest();
 }
 
 // block_scores_bf16 for G query vectors of head size 64 at once (q_g at q + 64 g, its scores at out +
@@ -313,7 +371,8 @@ inline void block_scores_bf16_avx512(const at::BFloat16* q, const at::BFloat16* 
 template <int G>
 inline void group_scores_bf16_64(const at::BFloat16* q, const at::BFloat16* rows, int64_t stride, int64_t n,
                                  float scale, float* out, int64_t out_stride, const char* fetch,
-                                 int64_t fetch_lines) {
+                                 int64_t fetch_bytes) {
+  FetchShare ahead(fetch, fetch_bytes, 16);  // over the first 16 rows
   __m512bh q0[G], q1[G];
   for (int g = 0; g < G; ++g) {
     q0[g] = (__m512bh)_mm512_loadu_si512(q + 64 * g);
@@ -328,7 +387,7 @@ inline void group_scores_bf16_64(const at::BFloat16* q, const at::BFloat16* rows
         const int j = 4 * k + r;
         // Lanes past m repeat the last row and are never stored.
         const at::BFloat16* row = rows + (j0 + std::min<int64_t>(j, m - 1)) * stride;
-        for (int64_t l = j; l < fetch_lines; l += 16) prefetch_line(fetch + 64 * l, false);
+        ahead.step();
         const __m512bh x0 = (__m512bh)_mm512_loadu_si512(row), x1 = (__m512bh)_mm512_loadu_si512(row + 32);
         for (int g = 0; g < G; ++g)
           acc[g][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0[g], x0), q1[g], x1);
@@ -354,29 +413,27 @@ inline void group_scores_bf16_64(const at::BFloat16* q, const at::BFloat16* rows
       _mm512_mask_storeu_ps(out + g * out_stride + j0, static_cast<__mmask16>((1u << m) - 1),
                             _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
     }
-    fetch_lines = 0;
   }
+  ahead.rest();
 }
 
-// group_scores_bf16_64 for any number of vectors (q_g 64 apart): three at a time, then the one or two left.
-// 24 sequences of 300 positions with the caches in L3 (SmolLM2's group of 3), alternating in one process:
-// the decode attention 0.84x as long as with one vector at a time; from memory 0.95-0.99x.
+// group_scores_bf16_64 for any number of vectors (q_g 64 apart): three at a time, then the one or two left;
+// the first run brings the share of the next block (as group_scores on AVX2). 24 sequences of 300 positions
+// with the caches in L3 (SmolLM2's group of 3), alternating in one process: the decode attention 0.84x as
+// long as with one vector at a time; from memory 0.95-0.99x.
 inline void group_scores_bf16_64(const at::BFloat16* q, int64_t vectors, const at::BFloat16* rows,
                                  int64_t stride, int64_t n, float scale, float* out, int64_t out_stride,
-                                 const char* fetch, int64_t fetch_lines) {
-  for (int64_t g = 0; g < vectors;) {
-    const int64_t run = std::min<int64_t>(3, vectors - g);
-    // The visit's share of the next block over the runs, as over the vectors before.
-    const int64_t l0 = g * fetch_lines / vectors, l1 = (g + run) * fetch_lines / vectors;
+                                 const char* fetch, int64_t fetch_bytes) {
+  for (int64_t g = 0; g < vectors; g += 3, fetch_bytes = 0) {
     const at::BFloat16* qg = q + 64 * g;
     float* og = out + g * out_stride;
+    const int64_t run = std::min<int64_t>(3, vectors - g);
     if (run == 3)
-      group_scores_bf16_64<3>(qg, rows, stride, n, scale, og, out_stride, fetch + 64 * l0, l1 - l0);
+      group_scores_bf16_64<3>(qg, rows, stride, n, scale, og, out_stride, fetch, fetch_bytes);
     else if (run == 2)
-      group_scores_bf16_64<2>(qg, rows, stride, n, scale, og, out_stride, fetch + 64 * l0, l1 - l0);
+      group_scores_bf16_64<2>(qg, rows, stride, n, scale, og, out_stride, fetch, fetch_bytes);
     else
-      group_scores_bf16_64<1>(qg, rows, stride, n, scale, og, out_stride, fetch + 64 * l0, l1 - l0);
-    g += run;
+      group_scores_bf16_64<1>(qg, rows, stride, n, scale, og, out_stride, fetch, fetch_bytes);
   }
 }
 
@@ -387,84 +444,23 @@ inline bool has_bf16_scores(int64_t size) {
 
 inline void block_scores_bf16(const at::BFloat16* q, const at::BFloat16* rows, int64_t stride, int64_t n,
                               int64_t size, float scale, float* out, const char* fetch = nullptr,
-                              int64_t fetch_lines = 0) {
+                              int64_t fetch_bytes = 0) {
   switch (size) {
     case 32:
-      return block_scores_bf16_avx512<1>(q, rows, stride, n, scale, out, fetch, fetch_lines);
+      return block_scores_bf16_avx512<1>(q, rows, stride, n, scale, out, fetch, fetch_bytes);
     case 64:
-      return block_scores_bf16_avx512<2>(q, rows, stride, n, scale, out, fetch, fetch_lines);
+      return block_scores_bf16_avx512<2>(q, rows, stride, n, scale, out, fetch, fetch_bytes);
     case 96:
-      return block_scores_bf16_avx512<3>(q, rows, stride, n, scale, out, fetch, fetch_lines);
+      return block_scores_bf16_avx512<3>(q, rows, stride, n, scale, out, fetch, fetch_bytes);
     case 128:
-      return block_scores_bf16_avx512<4>(q, rows, stride, n, scale, out, fetch, fetch_lines);
+      return block_scores_bf16_avx512<4>(q, rows, stride, n, scale, out, fetch, fetch_bytes);
     default:
-      return block_scores_bf16_avx512<8>(q, rows, stride, n, scale, out, fetch, fetch_lines);
+      return block_scores_bf16_avx512<8>(q, rows, stride, n, scale, out, fetch, fetch_bytes);
   }
 }
 #endif
-
-// One line on its way to the cache, for reading (prefetcht0, as __builtin_prefetch(p, 0, 3)) or for
-// writing (prefetchw). On x86-64 an asm statement: GCC gives __builtin_prefetch no side effects, so a
-// function that only prefetches (prefetch_tile_block, prefetch_tile) was found to be const and its calls
-// deleted, and the tiled kernel ran with no prefetch at all. 15 queries after 685 cached positions, 30
-// layers' caches (one read from memory per layer, scattered blocks, 2-core Zen 5, alternating): 166-241
-// -> 96-127 us a layer. Into L1 rather than L2 (prefetcht2, before): the same, alternating in one process,
-// 99.7 -> 96.0 and 158.6 -> 110.2 us; decode steps 0.97-0.98x as long (one sequence at 512 and 2048
-// positions, 16 at 400).
-inline void prefetch_line(const char* p, bool write) {
-#if defined(__x86_64__)
-  if (write)
-    asm volatile("prefetchw %0" : : "m"(*p));
-  else
-    asm volatile("prefetcht0 %0" : : "m"(*p));
-#else
-  if (write)
-    __builtin_prefetch(p, 1, 1);
-  else
-    __builtin_prefetch(p, 0, 3);
-#endif
-}
-
-// Brings the bytes [ptr, ptr + bytes) towards the cache ahead of use: the next block of a sequence lies
-// anywhere in the pool, so the hardware prefetcher cannot guess it.
-inline void prefetch(const void* ptr, int64_t bytes) {
-  const char* p = static_cast<const char*>(ptr);
-  for (int64_t off = 0; off < bytes; off += 64) prefetch_line(p + off, false);
-}
-
-// prefetch for lines about to be written (owned by this core when the stores come).
-inline void prefetch_write(const void* ptr, int64_t bytes) {
-  const char* p = static_cast<const char*>(ptr);
-  for (int64_t off = 0; off < bytes; off += 64) prefetch_line(p + off, true);
-}
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
-// The bytes [at, at + bytes) (the next block of the cache) prefetched a share at a time over `steps` steps
-// of a kernel, so that the prefetches do not queue up behind each other in one burst: issued back to back
-// before each visit of a block, a decode row's prefetches held half of `perf`'s samples of the attention's
-// own code (beside its kernels). One layer of SmolLM2's attention, blocks scattered, caches in huge pages,
-// alternating: 24 decode rows over 300 positions 692 -> 579 and 456 -> 367 us, 8 rows 183 -> 151 and 189 ->
-// 163 us, one row over 2048 positions 143 -> 118 and 152 -> 124 us; the same bits. Prompt rows, whose
-// shares are small (below kFetchBurstBytes), prefetch before each visit as before: shared out, they ran
-// 3-6 % slower.
-struct FetchShare {
-  const char* at;
-  int64_t bytes, per_step;
-  FetchShare(const char* at, int64_t bytes, int64_t steps)
-      : at(at),
-        bytes(bytes),
-        per_step(bytes > 0 ? ((bytes + 63) / 64 + steps - 1) / std::max<int64_t>(1, steps) * 64 : 0) {}
-  void step() {
-    const int64_t now = std::min(per_step, bytes);
-    prefetch(at, now);
-    at += now, bytes -= now;
-  }
-  void rest() {
-    prefetch(at, bytes);
-    bytes = 0;
-  }
-};
-
 // Lane j < 4 of the result: the sum of the 8 lanes of v[j].
 inline __m128 sum_lanes4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -692,9 +688,6 @@ inline void accumulate_rows_avx2(float* acc, const float* w, const float* rows, 
 // 9.0-10.6; 24 rows over 400 positions 32.3 and 38.3 against 44.0 and 41.6; 4 rows over 1000 14.9 and 18.6
 // against 19.5 and 19.5.
 constexpr int kGroupVectorsAvx2 = 3;
-// Up to this many bytes of the next block are prefetched before a visit (a prompt row's share); more (a
-// decode row's) are shared out over the kernels' steps (see FetchShare).
-constexpr int64_t kFetchBurstBytes = 1024;
 
 // The scores and the weighted V rows of `vectors` query vectors of one kv head, G at a time, with the
 // `fetch_bytes` at fetch prefetched; rows of the cache's R (bf16 or float32).
@@ -824,12 +817,12 @@ inline void transpose16x16(__m512i r[16]) {
 // pairs (V[j][d], V[j + 1][d]) for 16 dims d a register (one vpermt2w each), and vdpbf16ps adds
 // w[j] * V[j][d] + w[j + 1] * V[j + 1][d] for a broadcast pair of weights, rounded to bf16 first (as the
 // tiled kernel rounds P, and FlashAttention does). Half the instructions of widening each row to float32
-// and a multiply-add per weight. The fetch_lines lines at fetch are prefetched a few a step (see
-// block_scores_bf16_avx512).
+// and a multiply-add per weight. The fetch_bytes at fetch are prefetched a share a step (see FetchShare).
 template <int kChunks, int kVectors>
 inline void accumulate_group_bf16_avx512(float* acc, const float* w, int64_t w_stride,
                                          const at::BFloat16* rows, int64_t stride, int64_t n,
-                                         const char* fetch = nullptr, int64_t fetch_lines = 0) {
+                                         const char* fetch = nullptr, int64_t fetch_bytes = 0) {
+  FetchShare ahead(fetch, fetch_bytes, (std::min<int64_t>(16, n) + 1) / 2);  // over the first pairs
   static_assert(kChunks % 2 == 0, "head sizes of whole 32-dim registers");
   // Word k of the pair register is, for even k, word k / 2 of the first row, for odd k that of the second
   // (index 32 + k / 2); the second register of a row's 32 dims starts 16 words further.
@@ -854,7 +847,7 @@ inline void accumulate_group_bf16_avx512(float* acc, const float* w, int64_t w_s
     for (int64_t j = 0; j < m; j += 2) {
       const at::BFloat16* r0 = rows + (j0 + j) * stride;
       const at::BFloat16* r1 = j + 1 < m ? r0 + stride : r0;
-      for (int64_t l = j / 2; l < fetch_lines; l += 8) prefetch_line(fetch + 64 * l, false);
+      ahead.step();
       __m512i v[kChunks];
       for (int c = 0; c < kChunks / 2; ++c) {
         const __m512i x0 = _mm512_loadu_si512(r0 + 32 * c), x1 = _mm512_loadu_si512(r1 + 32 * c);
@@ -866,8 +859,8 @@ inline void accumulate_group_bf16_avx512(float* acc, const float* w, int64_t w_s
         for (int c = 0; c < kChunks; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], (__m512bh)v[c], p);
       }
     }
-    fetch_lines = 0;
   }
+  ahead.rest();
   for (int r = 0; r < kVectors; ++r)
     for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + r * 16 * kChunks + 16 * c, a[r][c]);
 }
@@ -878,27 +871,26 @@ inline bool has_bf16_values(int64_t size) { return size == 64 || size == 128; }
 // Up to 16 accumulator registers at a time: vectors in runs of 4 (head size 64) or 2 (128).
 inline void accumulate_group_bf16(float* acc, const float* w, int64_t w_stride, int64_t vectors,
                                   const at::BFloat16* rows, int64_t stride, int64_t n, int64_t size,
-                                  const char* fetch = nullptr, int64_t fetch_lines = 0) {
+                                  const char* fetch = nullptr, int64_t fetch_bytes = 0) {
   for (int64_t r = 0; r < vectors;) {
     float* out = acc + r * size;
     const float* wr = w + r * w_stride;
     const int64_t left = vectors - r;
-    const char* f = r == 0 ? fetch : nullptr;  // the first run of vectors brings the next block
-    const int64_t lines = r == 0 ? fetch_lines : 0;
+    const int64_t bytes = r == 0 ? fetch_bytes : 0;  // the first run of vectors brings the next block
     if (size == 64) {
       if (left >= 4) {
-        accumulate_group_bf16_avx512<4, 4>(out, wr, w_stride, rows, stride, n, f, lines), r += 4;
+        accumulate_group_bf16_avx512<4, 4>(out, wr, w_stride, rows, stride, n, fetch, bytes), r += 4;
       } else if (left == 3) {
-        accumulate_group_bf16_avx512<4, 3>(out, wr, w_stride, rows, stride, n, f, lines), r += 3;
+        accumulate_group_bf16_avx512<4, 3>(out, wr, w_stride, rows, stride, n, fetch, bytes), r += 3;
       } else if (left == 2) {
-        accumulate_group_bf16_avx512<4, 2>(out, wr, w_stride, rows, stride, n, f, lines), r += 2;
+        accumulate_group_bf16_avx512<4, 2>(out, wr, w_stride, rows, stride, n, fetch, bytes), r += 2;
       } else {
-        accumulate_group_bf16_avx512<4, 1>(out, wr, w_stride, rows, stride, n, f, lines), r += 1;
+        accumulate_group_bf16_avx512<4, 1>(out, wr, w_stride, rows, stride, n, fetch, bytes), r += 1;
       }
     } else if (left >= 2) {
-      accumulate_group_bf16_avx512<8, 2>(out, wr, w_stride, rows, stride, n, f, lines), r += 2;
+      accumulate_group_bf16_avx512<8, 2>(out, wr, w_stride, rows, stride, n, fetch, bytes), r += 2;
     } else {
-      accumulate_group_bf16_avx512<8, 1>(out, wr, w_stride, rows, stride, n, f, lines), r += 1;
+      accumulate_group_bf16_avx512<8, 1>(out, wr, w_stride, rows, stride, n, fetch, bytes), r += 1;
     }
   }
 }
@@ -1159,21 +1151,16 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
               }
             }
 #endif
-            // The bf16 kernels spread the visit's share over their rows, kSpreadLines at most a vector.
-            int64_t lines = 0;
-            if (raw_scores && spread) {
-              lines = std::min((fetch_bytes + 63) / 64, kSpreadLines * a.group);
-              prefetch(fetch + 64 * lines, fetch_bytes - 64 * lines);
-            } else {
-              prefetch(fetch, fetch_bytes);
-            }
+            // The bf16 kernels share a decode row's share out over their rows (see FetchShare).
+            if (!raw_scores || !spread || fetch_bytes <= kFetchBurstBytes)
+              prefetch(fetch, fetch_bytes), fetch_bytes = 0;
 #if defined(__AVX512BF16__)
             if constexpr (std::is_same_v<T, c10::BFloat16>) {
               if (raw_scores && a.head_dim == 64) {  // the group's vectors (one row's heads) side by side
                 const T* q_raw =
                     a.q_ptr + (c.row0 + v0 / nq) * a.q_stride + (tk.h0 * a.group + v0 % nq) * a.head_dim;
                 return group_scores_bf16_64(q_raw, a.group, k_raw, a.slot_stride, n, a.fscale,
-                                            &scores[v0 * part_len + first], part_len, fetch, lines);
+                                            &scores[v0 * part_len + first], part_len, fetch, fetch_bytes);
               }
             }
 #endif
@@ -1183,9 +1170,9 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
                 if (raw_scores) {
                   const T* q_raw =
                       a.q_ptr + (c.row0 + v / nq) * a.q_stride + (tk.h0 * a.group + v % nq) * a.head_dim;
-                  const int64_t l0 = (v - v0) * lines / a.group, l1 = (v - v0 + 1) * lines / a.group;
                   block_scores_bf16(q_raw, k_raw, a.slot_stride, n, a.head_dim, a.fscale,
-                                    &scores[v * part_len + first], fetch + 64 * l0, l1 - l0);
+                                    &scores[v * part_len + first], fetch, fetch_bytes);
+                  fetch_bytes = 0;  // the first vector brings the share
                   continue;
                 }
               }
@@ -1228,14 +1215,13 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
                }
              }
 #endif
-             const bool spread_values = raw_values && spread;  // over the kernel's steps
-             if (!spread_values) prefetch(fetch, fetch_bytes);
+             if (!raw_values || !spread || fetch_bytes <= kFetchBurstBytes)
+               prefetch(fetch, fetch_bytes), fetch_bytes = 0;  // else shared out over the kernel's steps
 #if defined(__AVX512BF16__)
              if constexpr (std::is_same_v<T, c10::BFloat16>) {
                if (raw_values) {
                  accumulate_group_bf16(&sums[v0 * a.head_dim], &scores[v0 * part_len + first], part_len,
-                                       a.group, v_raw, a.slot_stride, n, a.head_dim, fetch,
-                                       spread_values ? (fetch_bytes + 63) / 64 : 0);
+                                       a.group, v_raw, a.slot_stride, n, a.head_dim, fetch, fetch_bytes);
                  return;
                }
              }
