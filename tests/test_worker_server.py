@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 import grpc
 import pytest
@@ -65,6 +66,16 @@ async def steps(
     return [result async for result in stub.Steps(iter(plans))]
 
 
+async def serve_two_steps(server: WorkerServer) -> list[worker_pb2.StepResult]:
+    """Starts the loaded server, runs a prefill and a decode step through it, and stops it."""
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as ch:
+            return await steps(worker_pb2_grpc.WorkerStub(ch), [first_plan(), decode_plan(2)])
+    finally:
+        await server.stop(grace=None)
+
+
 def expected_tokens(model_dir, plans) -> list[list[int]]:
     runner = make_runner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     return [list(runner.execute(p).sampled_token_ids) for p in plans]
@@ -122,15 +133,38 @@ async def test_the_model_loads_on_the_thread_that_runs_every_step(model_dir, mon
         return execute(*args)
 
     runner.execute = traced_execute
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as ch:
-            results = await steps(worker_pb2_grpc.WorkerStub(ch), [first_plan(), decode_plan(2)])
-    finally:
-        await server.stop(grace=None)
+    results = await serve_two_steps(server)
     assert [r.step_id for r in results] == [1, 2]
     assert len(threads["load"]) == 1 and threads["steps"] == threads["load"]
     assert threading.get_ident() not in threads["load"]  # not the event loop's
+
+
+@pytest.mark.anyio
+async def test_the_next_step_starts_as_the_previous_one_ends_even_while_the_event_loop_is_busy(
+    model_dir, monkeypatch
+):
+    # Plan 2 arrives while step 1 runs (held 0.2 s); then the event loop is held 0.3 s handling step 1's
+    # result. The compute thread must not wait for it: step 2 starts as step 1 ends.
+    server = await WorkerServer.load(worker_config(model_dir), max_register_backoff=0.5)
+    runner = server.loaded.runner
+    execute, on_step = runner.execute, server.servicer.spans.on_step
+
+    def slow_first_step(plan, *args):
+        if plan.step_id == 1:
+            time.sleep(0.2)
+        return execute(plan, *args)
+
+    def busy_loop(plan, *args):
+        if plan.step_id == 1:
+            time.sleep(0.3)
+        return on_step(plan, *args)
+
+    runner.execute = slow_first_step
+    monkeypatch.setattr(server.servicer.spans, "on_step", busy_loop)
+    results = await serve_two_steps(server)
+    assert [r.step_id for r in results] == [1, 2]
+    assert results[1].timings.idle_seconds == 0.0  # the plan was there before the step before it ended
+    assert results[1].timings.gap_seconds < 0.15
 
 
 @pytest.mark.anyio

@@ -1,9 +1,9 @@
 """The worker process: the Worker gRPC service over a ModelRunner, health, reflection, registration.
 
-The model loads and runs in one dedicated thread (compute_thread). A reader task takes plans off the
-Steps stream as soon as they arrive (stamping their arrival for StepTimings.idle_seconds) while the
-thread computes the previous one, so with a pipelining scheduler the next plan is already waiting when
-a step ends.
+The model loads and runs in one dedicated thread (compute_thread). A reader task hands each plan of the
+Steps stream to that thread the moment it arrives (stamping its arrival for StepTimings.idle_seconds),
+so with a pipelining scheduler the thread goes from one step straight into the next, while the asyncio
+loop writes the previous result.
 
     pagedserve worker --model default --scheduler scheduler:50050
 """
@@ -137,24 +137,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Steps(
         self, request_iterator: AsyncIterator[worker_pb2.StepPlan], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.StepResult]:
-        plans: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        # The steps submitted to the compute thread, in step order, until their results are written.
+        steps: asyncio.Queue = asyncio.Queue()
+
+        def step(plan: worker_pb2.StepPlan, received_at: float) -> tuple[worker_pb2.StepResult, int, int]:
+            started_ns = time.time_ns()
+            result = self.runner.execute(plan, received_at)
+            return result, started_ns, time.time_ns()
 
         async def read() -> None:
+            # NOTE: each plan goes to the compute thread the moment it arrives, so the thread starts it
+            # as soon as the step before it ends, with no hop through this event loop in between: the
+            # loop writes result N while step N+1 runs. A plan after a refused one is refused in turn
+            # (its step id then follows no applied plan), so nothing runs past a broken plan.
             try:
                 async for plan in request_iterator:
-                    plans.put_nowait((plan, time.perf_counter()))
+                    steps.put_nowait(
+                        (plan, loop.run_in_executor(self.executor, step, plan, time.perf_counter()))
+                    )
             finally:
-                plans.put_nowait((_END, 0.0))
+                steps.put_nowait((_END, None))
 
         reader = asyncio.create_task(read())
         try:
             while True:
-                plan, received_at = await plans.get()
+                plan, future = await steps.get()
                 if plan is _END:
                     return
-                started_ns = time.time_ns()
                 try:
-                    result = await self._run(self.runner.execute, plan, received_at)
+                    result, started_ns, ended_ns = await future
                 except PlanError as error:
                     log.warning("plan_refused", step_id=plan.step_id, error=error.message)
                     await context.abort(error.grpc_code, error.message)
@@ -162,12 +174,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     # NOTE: the state may be half-applied now; the scheduler resets us when it reconnects.
                     log.exception("step_failed", step_id=plan.step_id)
                     await context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id}: {error!r}")
-                self.spans.on_step(plan, started_ns, time.time_ns())
+                self.spans.on_step(plan, started_ns, ended_ns)
                 yield result
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
+            # Steps not started yet never run; one running finishes, its result unread.
+            while not steps.empty():
+                _, future = steps.get_nowait()
+                if future is not None:
+                    future.cancel()
 
     async def Reset(self, request: worker_pb2.ResetRequest, context) -> worker_pb2.ModelInfo:
         await self._run(self.runner.reset)
