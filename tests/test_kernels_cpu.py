@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from collections import Counter
 
 import pytest
 import torch
@@ -59,19 +60,20 @@ def test_the_build_is_named_after_the_sources(tmp_path, monkeypatch, source):
 # ---- attention ------------------------------------------------------------------------------------------
 
 
-def _prefetches_by_function(library: str) -> dict[str, int]:
-    """Prefetch instructions in each function of a shared library, by demangled name (objdump)."""
+def _prefetches_by_function(library: str) -> dict[str, Counter]:
+    """The prefetch instructions in each function of a shared library, by demangled name and mnemonic
+    (objdump)."""
     listing = subprocess.run(
         ["objdump", "-d", "-C", "--no-show-raw-insn", library], capture_output=True, text=True, check=True
     ).stdout
-    counts: dict[str, int] = {}
+    counts: dict[str, Counter] = {}
     name = ""
     for line in listing.splitlines():
         if line.endswith(">:") and " <" in line:
             name = line.split(" <", 1)[1][:-2]
-            counts[name] = 0
+            counts[name] = Counter()
         elif "\tprefetch" in line and name:
-            counts[name] += 1
+            counts[name][line.split("\t")[-1].split()[0]] += 1
     return counts
 
 
@@ -84,11 +86,19 @@ def test_the_attention_kernels_keep_their_prefetches():
     # waiting on memory block after block; a helper that only prefetches looks free of side effects to the
     # compiler, which once deleted its calls and left the tiled kernel without any.
     counts = _prefetches_by_function(cpu_ops.load().__file__)
+
+    def prefetches(kernel: str) -> Counter:
+        # The kernel with its lambdas and the instantiations made for it (for_tile_tasks<T, ...>).
+        return sum((c for name, c in counts.items() if kernel in name), Counter())
+
     for kernel in ("paged_attention_impl<float>", "paged_attention_impl<c10::BFloat16>"):
-        assert sum(n for name, n in counts.items() if kernel in name) > 0, kernel
+        assert prefetches(kernel)["prefetcht0"] > 0, kernel
     if cpu_ops.load().has_linear():  # AVX2 with FMA, or AVX-512: the builds with a tiled kernel
         for kernel in ("tiled_attention_impl<float>", "tiled_attention_impl<c10::BFloat16>"):
-            assert sum(n for name, n in counts.items() if kernel in name) > 0, kernel
+            found = prefetches(kernel)
+            # prefetch_tile_block: the next block's K and V rows; prefetch_tile: the next task's query rows
+            # (read) and output rows (written).
+            assert found["prefetcht0"] >= 3 and found["prefetchw"] >= 1, (kernel, found)
 
 
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), DECODE_PARAMS)
