@@ -1279,8 +1279,17 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 // multiply-adds with one operand broadcast from K or V (no sums across lanes), and the online softmax
 // (running max and sum per query vector) is elementwise on those lanes.
 
-// Query vectors of one tiled task: the lanes of two registers (four on AVX2).
+// Query vectors of one tiled task. AVX-512: the lanes of three registers (a task of 32 or fewer computes
+// two), 16 rows of SmolLM2's three query heads per kv head; each broadcast of K or V and each block's V
+// interleave serves 1.5x the lanes of 32, and a prompt needs 2/3 of the tasks. 30 layers' caches from
+// memory, bf16, 2-core Zen 5, alternating builds, us a layer (the same bits): 15 queries after 700
+// positions 125 / 137 -> 99 / 88, a 500-token prompt 998 / 1080 -> 663 / 657, 64 queries after 1936
+// 1075 / 1056 -> 615 / 604, a 120-token prompt 80 / 76 -> 57 / 59. AVX2: four registers of 8.
+#if defined(__AVX512F__)
+constexpr int64_t kTileLanes = 48;
+#else
 constexpr int64_t kTileLanes = 32;
+#endif
 // Where the caller leaves the choice to the build (min_tile_lanes < 0), a sequence of several queries takes
 // the tiled kernel from this many query vectors per kv head (see TILE_MIN_LANES in cpu_ops.py). On AVX2
 // (one layer of SmolLM2, bf16, 1 or 4 sequences after 300 or 2000 positions, tiled over the row kernel's
@@ -1291,7 +1300,7 @@ constexpr int64_t kTileMinLanes = 16;
 #else
 constexpr int64_t kTileMinLanes = 32;
 #endif
-// Positions scored together (8 x 2 registers of scores), and value columns accumulated together.
+// Positions scored together (8 x 2 or 3 registers of scores), and value columns accumulated together.
 constexpr int64_t kTilePositions = 8, kTileColumns = 8;
 
 // Consecutive query rows of one sequence and all query heads of one kv head: rows * group <= kTileLanes
@@ -1304,7 +1313,7 @@ struct QueryTile {
 // the tasks go longest first, so their rows lie anywhere). Loaded cold, they and the copy-out took about
 // a fifth of the AVX-512 kernel's samples.
 template <typename T>
-void prefetch_tile(const AttentionArgs<T>& a, const QueryTile& t) {
+__attribute__((always_inline)) inline void prefetch_tile(const AttentionArgs<T>& a, const QueryTile& t) {
   const int64_t offset = t.kv_head * a.group * a.head_dim, bytes = a.group * a.head_dim * sizeof(T);
   for (int64_t r = 0; r < t.rows; ++r) {
     prefetch(a.q_ptr + (t.row0 + r) * a.q_stride + offset, bytes);
@@ -1331,7 +1340,8 @@ int64_t tile_lanes(const AttentionArgs<T>& a, const QueryTile& t, int32_t* limit
 // Block `block`'s K and V rows of one kv head (slot_stride apart), on their way while the block before it
 // is computed: it lies anywhere in the pool.
 template <typename T>
-void prefetch_tile_block(const AttentionArgs<T>& a, int64_t block, int64_t kv_head) {
+__attribute__((always_inline)) inline void prefetch_tile_block(const AttentionArgs<T>& a, int64_t block,
+                                                               int64_t kv_head) {
   const int64_t at = block * a.block_size * a.slot_stride + kv_head * a.head_dim;
   for (int64_t j = 0; j < a.block_size; ++j) {
     prefetch(a.k_ptr + at + j * a.slot_stride, a.head_dim * sizeof(T));
@@ -1382,6 +1392,33 @@ void for_tile_tasks(const AttentionArgs<T>& a, const std::vector<QueryTile>& tas
 }
 
 #if defined(__AVX512F__)
+// Each of a task's lanes' output row: ot[d * kTileLanes + lane] scaled by inv[lane] (1 / its softmax sum).
+template <typename T>
+void store_tile(const float* ot, const float* inv, int64_t lanes, T* const* lane_out, int64_t head_dim) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // 16 lanes x 16 dims at a time: scaled, transposed in registers, rounded (vcvtneps2bf16 rounds as c10's
+    // conversion does) and stored as a row of each lane's output.
+    for (int64_t g = 0; g < lanes; g += 16) {
+      const __m512 scale = _mm512_load_ps(inv + g);
+      for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i)
+          r[i] = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(&ot[(d0 + i) * kTileLanes + g]), scale));
+        transpose16x16(r);
+        for (int64_t j = 0; j < std::min<int64_t>(16, lanes - g); ++j)
+          store16_bf16(lane_out[g + j] + d0, _mm512_castsi512_ps(r[j]));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t lane = 0; lane < lanes; ++lane) {
+    T* o = lane_out[lane];
+    for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(ot[d * kTileLanes + lane] * inv[lane]);
+  }
+}
+
 template <typename T>
 void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_tables, const std::vector<QueryTile>& tasks, double scale,
@@ -1405,7 +1442,9 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         pp(kPairs ? max_pairs * kTileLanes : 0), vp(kPairs ? max_pairs * a.head_dim : 0);
     std::vector<float> qt(kPairs ? 0 : a.head_dim * kTileLanes), kb(kPairs ? 0 : a.block_size * a.head_dim),
         vb(kPairs ? 0 : a.block_size * a.head_dim), s(a.block_size * kTileLanes), ot(a.head_dim * kTileLanes);
-    each_task([&](const QueryTile& t) {
+    // One task in R registers of lanes (R x 16 >= its query vectors).
+    const auto task = [&](const QueryTile& t, auto registers) __attribute__((always_inline)) {
+      constexpr int R = decltype(registers)::value;
       alignas(64) int32_t limit[kTileLanes];  // the last position each lane sees
       const T* lane_q[kTileLanes];            // each lane's query vector
       T* lane_out[kTileLanes];                // and its output
@@ -1413,7 +1452,7 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       if constexpr (kPairs) {  // bf16 pairs (d, d + 1) as one 32-bit lane; the scale goes on the scores
         if (a.head_dim % 32 == 0) {
           // 16 lanes x 16 pairs at a time, transposed in registers.
-          for (int64_t g = 0; g < kTileLanes; g += 16)
+          for (int64_t g = 0; g < 16 * R; g += 16)
             for (int64_t p0 = 0; p0 < a.head_dim / 2; p0 += 16) {
               __m512i r[16];
               for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(lane_q[g + i] + 2 * p0);
@@ -1421,19 +1460,24 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
               for (int j = 0; j < 16; ++j) _mm512_storeu_si512(&qp[(p0 + j) * kTileLanes + g], r[j]);
             }
         } else {
-          for (int64_t lane = 0; lane < kTileLanes; ++lane)
+          for (int64_t lane = 0; lane < 16 * R; ++lane)
             for (int64_t d = 0; d < a.head_dim; d += 2)
               std::memcpy(&qp[d / 2 * kTileLanes + lane], lane_q[lane] + d, 4);
         }
       } else {
-        for (int64_t lane = 0; lane < kTileLanes; ++lane)
+        for (int64_t lane = 0; lane < 16 * R; ++lane)
           for (int64_t d = 0; d < a.head_dim; ++d)
             qt[d * kTileLanes + lane] = static_cast<float>(lane_q[lane][d]) * a.fscale;
       }
-      const __m512i limit0 = _mm512_load_si512(limit), limit1 = _mm512_load_si512(limit + 16);
+      __m512i lim[R];
+      __m512 max[R], sum[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        lim[r] = _mm512_load_si512(limit + 16 * r);
+        max[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        sum[r] = _mm512_setzero_ps();
+      }
       std::fill(ot.begin(), ot.end(), 0.f);
-      __m512 max0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), max1 = max0;
-      __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
 
       // One block of the task's sequence (see for_tile_blocks).
       const auto visit = [&](int64_t first, int64_t n, const T* k_block, const T* v_block) {
@@ -1445,10 +1489,15 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         // Scores of kTilePositions positions for all lanes; positions a lane must not see become -inf (none
         // can be in a block that ends by the first lane's position), and the new running max.
         const bool masked = first + n - 1 > t.pos0;
-        __m512 new0 = max0, new1 = max1;
+        __m512 next[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) next[r] = max[r];
         for (int64_t j0 = 0; j0 < n; j0 += kTilePositions) {
-          __m512 acc0[kTilePositions], acc1[kTilePositions];
-          for (int64_t j = 0; j < kTilePositions; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps();
+          __m512 acc[kTilePositions][R];
+#pragma GCC unroll 8
+          for (int64_t j = 0; j < kTilePositions; ++j)
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
           const int64_t m = std::min(kTilePositions, n - j0);
           // Positions past m repeat the block's last row; their scores are never stored.
           if constexpr (kPairs) {
@@ -1457,56 +1506,64 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
             for (int64_t j = 0; j < kTilePositions; ++j)
               k_rows[j] = k_block + (j0 + std::min(j, m - 1)) * a.slot_stride;
             for (int64_t d = 0; d < a.head_dim; d += 2) {
-              const __m512bh q0 = (__m512bh)_mm512_loadu_si512(&qp[d / 2 * kTileLanes]);
-              const __m512bh q1 = (__m512bh)_mm512_loadu_si512(&qp[d / 2 * kTileLanes + 16]);
+              __m512bh q[R];
+#pragma GCC unroll 4
+              for (int r = 0; r < R; ++r)
+                q[r] = (__m512bh)_mm512_loadu_si512(&qp[d / 2 * kTileLanes + 16 * r]);
+#pragma GCC unroll 8
               for (int64_t j = 0; j < kTilePositions; ++j) {
                 int32_t pair;
                 std::memcpy(&pair, k_rows[j] + d, sizeof(pair));
                 const __m512bh k = (__m512bh)_mm512_set1_epi32(pair);
-                acc0[j] = _mm512_dpbf16_ps(acc0[j], q0, k);
-                acc1[j] = _mm512_dpbf16_ps(acc1[j], q1, k);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; ++r) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], q[r], k);
               }
             }
 #endif
           } else {
             const float* k_rows = &kb[j0 * a.head_dim];
             for (int64_t d = 0; d < a.head_dim; ++d) {
-              const __m512 q0 = _mm512_loadu_ps(&qt[d * kTileLanes]);
-              const __m512 q1 = _mm512_loadu_ps(&qt[d * kTileLanes + 16]);
+              __m512 q[R];
+#pragma GCC unroll 4
+              for (int r = 0; r < R; ++r) q[r] = _mm512_loadu_ps(&qt[d * kTileLanes + 16 * r]);
+#pragma GCC unroll 8
               for (int64_t j = 0; j < kTilePositions; ++j) {
                 const __m512 k = _mm512_set1_ps(k_rows[std::min(j, m - 1) * a.head_dim + d]);
-                acc0[j] = _mm512_fmadd_ps(q0, k, acc0[j]);
-                acc1[j] = _mm512_fmadd_ps(q1, k, acc1[j]);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; ++r) acc[j][r] = _mm512_fmadd_ps(q[r], k, acc[j][r]);
               }
             }
           }
           const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
           const __m512 score_scale = _mm512_set1_ps(kPairs ? a.fscale : 1.f);
           for (int64_t j = 0; j < m; ++j) {
-            __m512 s0 = _mm512_mul_ps(acc0[j], score_scale), s1 = _mm512_mul_ps(acc1[j], score_scale);
-            if (masked) {
-              const __m512i pos = _mm512_set1_epi32(static_cast<int32_t>(first + j0 + j));
-              s0 = _mm512_mask_mov_ps(s0, _mm512_cmpgt_epi32_mask(pos, limit0), ninf);
-              s1 = _mm512_mask_mov_ps(s1, _mm512_cmpgt_epi32_mask(pos, limit1), ninf);
+            const __m512i pos = _mm512_set1_epi32(static_cast<int32_t>(first + j0 + j));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+              __m512 sc = _mm512_mul_ps(acc[j][r], score_scale);
+              if (masked) sc = _mm512_mask_mov_ps(sc, _mm512_cmpgt_epi32_mask(pos, lim[r]), ninf);
+              _mm512_storeu_ps(&s[(j0 + j) * kTileLanes + 16 * r], sc);
+              next[r] = _mm512_max_ps(next[r], sc);
             }
-            _mm512_storeu_ps(&s[(j0 + j) * kTileLanes], s0);
-            _mm512_storeu_ps(&s[(j0 + j) * kTileLanes + 16], s1);
-            new0 = _mm512_max_ps(new0, s0), new1 = _mm512_max_ps(new1, s1);
           }
         }
         // Online softmax over the block: the old output and sum rescaled by exp(old max - new max), the
         // scores turned into weights exp(s - new max).
-        const __m512 alpha0 = exp512(_mm512_sub_ps(max0, new0)), alpha1 = exp512(_mm512_sub_ps(max1, new1));
-        max0 = new0, max1 = new1;
-        sum0 = _mm512_mul_ps(sum0, alpha0), sum1 = _mm512_mul_ps(sum1, alpha1);
+        __m512 alpha[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          alpha[r] = exp512(_mm512_sub_ps(max[r], next[r]));
+          max[r] = next[r];
+          sum[r] = _mm512_mul_ps(sum[r], alpha[r]);
+        }
         if constexpr (!kPairs)  // bf16 takes its weights pair by pair below
-          for (int64_t j = 0; j < n; ++j) {
-            const __m512 p0 = exp512(_mm512_sub_ps(_mm512_loadu_ps(&s[j * kTileLanes]), new0));
-            const __m512 p1 = exp512(_mm512_sub_ps(_mm512_loadu_ps(&s[j * kTileLanes + 16]), new1));
-            _mm512_storeu_ps(&s[j * kTileLanes], p0);
-            _mm512_storeu_ps(&s[j * kTileLanes + 16], p1);
-            sum0 = _mm512_add_ps(sum0, p0), sum1 = _mm512_add_ps(sum1, p1);
-          }
+          for (int64_t j = 0; j < n; ++j)
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+              const __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(&s[j * kTileLanes + 16 * r]), next[r]));
+              _mm512_storeu_ps(&s[j * kTileLanes + 16 * r], p);
+              sum[r] = _mm512_add_ps(sum[r], p);
+            }
         // ot[d][lane] = alpha * ot[d][lane] + sum over j of s[j][lane] * V[j][d], kTileColumns d at a time.
         if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
@@ -1519,17 +1576,16 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
           for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
             const int64_t j = 2 * jp;
             const bool second = j + 1 < n;  // an odd block's last pair has one position
-            for (int64_t half = 0; half < 2; ++half) {
-              const __m512 shift = half == 0 ? new0 : new1;
-              __m512& sum = half == 0 ? sum0 : sum1;
-              const __m512 lo = exp512(_mm512_sub_ps(_mm512_loadu_ps(&s[j * kTileLanes + 16 * half]), shift));
-              sum = _mm512_add_ps(sum, lo);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+              const __m512 lo = exp512(_mm512_sub_ps(_mm512_loadu_ps(&s[j * kTileLanes + 16 * r]), next[r]));
+              sum[r] = _mm512_add_ps(sum[r], lo);
               __m512 hi = _mm512_setzero_ps();
               if (second) {
-                hi = exp512(_mm512_sub_ps(_mm512_loadu_ps(&s[(j + 1) * kTileLanes + 16 * half]), shift));
-                sum = _mm512_add_ps(sum, hi);
+                hi = exp512(_mm512_sub_ps(_mm512_loadu_ps(&s[(j + 1) * kTileLanes + 16 * r]), next[r]));
+                sum[r] = _mm512_add_ps(sum[r], hi);
               }
-              _mm512_storeu_si512(&pp[jp * kTileLanes + 16 * half],
+              _mm512_storeu_si512(&pp[jp * kTileLanes + 16 * r],
                                   _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
             }
             const T* r0 = v_block + j * a.slot_stride;
@@ -1546,70 +1602,58 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 #endif
         }
         for (int64_t d0 = 0; d0 < a.head_dim; d0 += kTileColumns) {
-          __m512 acc0[kTileColumns], acc1[kTileColumns];
-          for (int64_t c = 0; c < kTileColumns; ++c) {
-            acc0[c] = _mm512_mul_ps(_mm512_loadu_ps(&ot[(d0 + c) * kTileLanes]), alpha0);
-            acc1[c] = _mm512_mul_ps(_mm512_loadu_ps(&ot[(d0 + c) * kTileLanes + 16]), alpha1);
-          }
+          __m512 acc[kTileColumns][R];
+#pragma GCC unroll 8
+          for (int64_t c = 0; c < kTileColumns; ++c)
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r)
+              acc[c][r] = _mm512_mul_ps(_mm512_loadu_ps(&ot[(d0 + c) * kTileLanes + 16 * r]), alpha[r]);
           if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
             for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
-              const __m512bh p0 = (__m512bh)_mm512_loadu_si512(&pp[jp * kTileLanes]);
-              const __m512bh p1 = (__m512bh)_mm512_loadu_si512(&pp[jp * kTileLanes + 16]);
+              __m512bh p[R];
+#pragma GCC unroll 4
+              for (int r = 0; r < R; ++r) p[r] = (__m512bh)_mm512_loadu_si512(&pp[jp * kTileLanes + 16 * r]);
               const int32_t* v_pairs = &vp[jp * a.head_dim + d0];
+#pragma GCC unroll 8
               for (int64_t c = 0; c < kTileColumns; ++c) {
                 const __m512bh v = (__m512bh)_mm512_set1_epi32(v_pairs[c]);
-                acc0[c] = _mm512_dpbf16_ps(acc0[c], p0, v);
-                acc1[c] = _mm512_dpbf16_ps(acc1[c], p1, v);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; ++r) acc[c][r] = _mm512_dpbf16_ps(acc[c][r], p[r], v);
               }
             }
 #endif
           } else {
             for (int64_t j = 0; j < n; ++j) {
-              const __m512 p0 = _mm512_loadu_ps(&s[j * kTileLanes]),
-                           p1 = _mm512_loadu_ps(&s[j * kTileLanes + 16]);
+              __m512 p[R];
+#pragma GCC unroll 4
+              for (int r = 0; r < R; ++r) p[r] = _mm512_loadu_ps(&s[j * kTileLanes + 16 * r]);
               const float* v_row = &vb[j * a.head_dim + d0];
+#pragma GCC unroll 8
               for (int64_t c = 0; c < kTileColumns; ++c) {
                 const __m512 v = _mm512_set1_ps(v_row[c]);
-                acc0[c] = _mm512_fmadd_ps(p0, v, acc0[c]);
-                acc1[c] = _mm512_fmadd_ps(p1, v, acc1[c]);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; ++r) acc[c][r] = _mm512_fmadd_ps(p[r], v, acc[c][r]);
               }
             }
           }
-          for (int64_t c = 0; c < kTileColumns; ++c) {
-            _mm512_storeu_ps(&ot[(d0 + c) * kTileLanes], acc0[c]);
-            _mm512_storeu_ps(&ot[(d0 + c) * kTileLanes + 16], acc1[c]);
-          }
+#pragma GCC unroll 8
+          for (int64_t c = 0; c < kTileColumns; ++c)
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) _mm512_storeu_ps(&ot[(d0 + c) * kTileLanes + 16 * r], acc[c][r]);
         }
       };
       if (!for_tile_blocks(a, t, bad, visit)) return;
       alignas(64) float inv[kTileLanes];
-      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum0));
-      _mm512_store_ps(inv + 16, _mm512_div_ps(_mm512_set1_ps(1.f), sum1));
-      const int64_t head_dim = a.head_dim;  // a local: the stores below could alias a's fields
-      if constexpr (kPairs) {
-#if defined(__AVX512BF16__)
-        // 16 lanes x 16 dims at a time: scaled, transposed in registers, rounded (vcvtneps2bf16 rounds as
-        // c10's conversion does) and stored as a row of each lane's output.
-        for (int64_t g = 0; g < lanes; g += 16) {
-          const __m512 scale = _mm512_load_ps(inv + g);
-          for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
-            __m512i r[16];
-            for (int i = 0; i < 16; ++i)
-              r[i] =
-                  _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(&ot[(d0 + i) * kTileLanes + g]), scale));
-            transpose16x16(r);
-            for (int64_t j = 0; j < std::min<int64_t>(16, lanes - g); ++j)
-              store16_bf16(lane_out[g + j] + d0, _mm512_castsi512_ps(r[j]));
-          }
-        }
-#endif
-      } else {
-        for (int64_t lane = 0; lane < lanes; ++lane) {
-          T* o = lane_out[lane];
-          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(ot[d * kTileLanes + lane] * inv[lane]);
-        }
-      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) _mm512_store_ps(inv + 16 * r, _mm512_div_ps(_mm512_set1_ps(1.f), sum[r]));
+      store_tile(ot.data(), inv, lanes, lane_out, a.head_dim);
+    };
+    each_task([&](const QueryTile& t) {
+      if (t.rows * a.group > 32)
+        task(t, std::integral_constant<int, 3>{});
+      else
+        task(t, std::integral_constant<int, 2>{});
     });
   });
   bad.check(a.num_blocks);
@@ -1892,8 +1936,8 @@ AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Te
     TORCH_CHECK(ctx[s] <= max_ctx, "sequence ", s, ": context length ", ctx[s], " exceeds its block table (",
                 max_ctx, " positions)");
     if (can_tile && q_len > 1 && q_len * group >= min_tile_lanes) {
-      // Tasks of as many rows as fill kTileLanes, evened out: 26 rows of 3 heads are 9 + 9 + 8, not 10 + 10
-      // + 6.
+      // Tasks of as many rows as fill kTileLanes, evened out: 40 rows of 3 heads in 48 lanes are 14 + 14 +
+      // 12, not 16 + 16 + 8.
       const int64_t per_task = kTileLanes / group, num_row_tiles = (q_len + per_task - 1) / per_task;
       const int64_t rows = (q_len + num_row_tiles - 1) / num_row_tiles;
       for (int64_t i = 0; i < q_len; i += rows)

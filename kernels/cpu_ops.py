@@ -57,7 +57,7 @@ BINDINGS = SOURCE.with_name("cpu_bindings.cpp")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 # A sequence of several queries with at least this many query vectors per kv head (queries x the
 # group's query heads) takes the tiled kernel (AVX-512 builds with head sizes a multiple of 16, and AVX2
-# builds), whose tasks fill 32 lanes; fewer go through the row kernel. -1: the build's own threshold,
+# builds), whose tasks fill up to 48 lanes (32 on AVX2); fewer go through the row kernel. -1: the build's own threshold,
 # 16 on AVX-512 and 32 on AVX2 (kTileMinLanes in cpu_ops.cpp, with the AVX2 numbers). Measured on a
 # 2-core AVX-512 machine, bf16, SmolLM2 shapes (9 query heads of 64 over 3 kv heads), per layer, row
 # kernel / tiled / SDPA in ms: 2 queries after 298 cached 0.026 / 0.038; 4: 0.033 / 0.039; 8: 0.055 /
