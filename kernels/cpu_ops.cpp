@@ -1300,6 +1300,8 @@ constexpr int64_t kTileMinLanes = 16;
 #else
 constexpr int64_t kTileMinLanes = 32;
 #endif
+// A split tile's parts are this many blocks or more.
+constexpr int64_t kSplitMinBlocks = 4;
 // Positions scored together (8 x 2 or 3 registers of scores), and value columns accumulated together.
 constexpr int64_t kTilePositions = 8, kTileColumns = 8;
 
@@ -1307,6 +1309,18 @@ constexpr int64_t kTilePositions = 8, kTileColumns = 8;
 // query vectors, lane = (row - row0) * group + head in group.
 struct QueryTile {
   int64_t seq, kv_head, row0, pos0, rows;
+  // The blocks of the sequence it visits, [block_begin, block_end) (clipped to those its rows see), and
+  // where it leaves its unnormalised result when it is one part of a split tile (see TileSplit); -1: it
+  // writes its rows' output itself.
+  int64_t block_begin = 0, block_end = std::numeric_limits<int64_t>::max(), partial = -1;
+};
+
+// A tile whose blocks went to several tasks, as flash-decoding splits a long context: parts tasks, each
+// leaving its lanes' running max, sum and unnormalised output in partial slots first_partial ..
+// first_partial + parts - 1, merged into the tile's output once all are done. AVX-512 only.
+struct TileSplit {
+  QueryTile tile;
+  int64_t first_partial, parts;
 };
 
 // A task's query rows and output rows, fetched while the task before it computes (claimed a task ahead:
@@ -1350,13 +1364,14 @@ __attribute__((always_inline)) inline void prefetch_tile_block(const AttentionAr
 }
 
 // Calls visit(first position, positions, K rows, V rows) for each block of task t's sequence that its
-// rows see, in order, with the next one on its way (prefetch_tile_block). At a bad block table entry,
-// reports it and returns false.
+// rows see (within its block range), in order, with the next one on its way (prefetch_tile_block). At a bad
+// block table entry, reports it and returns false.
 template <typename T, typename F>
 bool for_tile_blocks(const AttentionArgs<T>& a, const QueryTile& t, BadBlock& bad, F&& visit) {
-  const int64_t last = t.pos0 + t.rows - 1, used_blocks = last / a.block_size + 1;
+  const int64_t last = t.pos0 + t.rows - 1;
+  const int64_t used_blocks = std::min(last / a.block_size + 1, t.block_end);
   const int32_t* table = a.tables + t.seq * a.table_stride;
-  for (int64_t b = 0; b < used_blocks; ++b) {
+  for (int64_t b = t.block_begin; b < used_blocks; ++b) {
     const int64_t block = table[b];
     if (!a.valid_block(block, b)) {
       bad.report(block);
@@ -1421,7 +1436,8 @@ void store_tile(const float* ot, const float* inv, int64_t lanes, T* const* lane
 
 template <typename T>
 void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& block_tables, const std::vector<QueryTile>& tasks, double scale,
+                          const at::Tensor& block_tables, const std::vector<QueryTile>& tasks,
+                          const std::vector<TileSplit>& splits, int64_t num_partials, double scale,
                           at::Tensor& out) {
   const AttentionArgs<T> a(query, k_cache, v_cache, block_tables, scale, out);
   BadBlock bad;
@@ -1432,6 +1448,9 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 #else
   constexpr bool kPairs = false;
 #endif
+  // Each part of a split tile: its lanes' running max and sum, then its ot (see below).
+  const int64_t partial_size = (2 + a.head_dim) * kTileLanes;
+  std::vector<float> partials(num_partials * partial_size);
 
   for_tile_tasks(a, tasks, [&](auto&& each_task) {
     // bf16: qp[d / 2][lane] the query pairs, pp[j / 2][lane] the weight pairs, vp[j / 2][d] V's row pairs;
@@ -1644,6 +1663,16 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
         }
       };
       if (!for_tile_blocks(a, t, bad, visit)) return;
+      if (t.partial >= 0) {
+        float* slot = &partials[t.partial * partial_size];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          _mm512_storeu_ps(slot + 16 * r, max[r]);
+          _mm512_storeu_ps(slot + kTileLanes + 16 * r, sum[r]);
+        }
+        std::copy(ot.begin(), ot.end(), slot + 2 * kTileLanes);
+        return;
+      }
       alignas(64) float inv[kTileLanes];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) _mm512_store_ps(inv + 16 * r, _mm512_div_ps(_mm512_set1_ps(1.f), sum[r]));
@@ -1657,6 +1686,35 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
     });
   });
   bad.check(a.num_blocks);
+  // Each split tile's parts merged, lane by lane: the output is sum_p w_p ot_p / sum_p w_p sum_p, with
+  // w_p = exp(max_p - the parts' max).
+  std::vector<float> ot(a.head_dim * kTileLanes);
+  for (const TileSplit& split : splits) {
+    alignas(64) int32_t limit[kTileLanes];
+    const T* lane_q[kTileLanes];
+    T* lane_out[kTileLanes];
+    const int64_t lanes = tile_lanes(a, split.tile, limit, lane_q, lane_out);
+    alignas(64) float inv[kTileLanes];
+    for (int64_t g = 0; g < lanes; g += 16) {
+      const float* first = &partials[split.first_partial * partial_size];
+      __m512 max = _mm512_loadu_ps(first + g);
+      for (int64_t p = 1; p < split.parts; ++p)
+        max = _mm512_max_ps(max, _mm512_loadu_ps(first + p * partial_size + g));
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t p = 0; p < split.parts; ++p) {
+        const float* part = first + p * partial_size;
+        const __m512 w = exp512(_mm512_sub_ps(_mm512_loadu_ps(part + g), max));
+        total = _mm512_fmadd_ps(w, _mm512_loadu_ps(part + kTileLanes + g), total);
+        for (int64_t d = 0; d < a.head_dim; ++d) {
+          const __m512 o = _mm512_loadu_ps(part + (2 + d) * kTileLanes + g);
+          float* dst = &ot[d * kTileLanes + g];
+          _mm512_storeu_ps(dst, p == 0 ? _mm512_mul_ps(w, o) : _mm512_fmadd_ps(w, o, _mm512_loadu_ps(dst)));
+        }
+      }
+      _mm512_store_ps(inv + g, _mm512_div_ps(_mm512_set1_ps(1.f), total));
+    }
+    store_tile(ot.data(), inv, lanes, lane_out, a.head_dim);
+  }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 
@@ -1767,8 +1825,10 @@ inline void transpose8x8(__m256 r[8]) {
 
 template <typename T>
 void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& block_tables, const std::vector<QueryTile>& tasks, double scale,
+                          const at::Tensor& block_tables, const std::vector<QueryTile>& tasks,
+                          const std::vector<TileSplit>& splits, int64_t num_partials, double scale,
                           at::Tensor& out) {
+  TORCH_CHECK(splits.empty() && num_partials == 0, "the AVX2 tiled kernel computes whole tiles");
   const AttentionArgs<T> a(query, k_cache, v_cache, block_tables, scale, out);
   BadBlock bad;
   // bf16 and float rows 8 at a time (load8, store8_bf16), transposed in registers, where a row is whole
@@ -1892,7 +1952,9 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 // cache's shape alone, so a decoder computes it once for all its layers (see DecoderStack).
 struct AttentionPlan {
   std::vector<RowChunk> chunks;
-  std::vector<QueryTile> tiles;  // the longest first
+  std::vector<QueryTile> tiles;   // the longest first
+  std::vector<TileSplit> splits;  // the tiles whose blocks went to several of tiles
+  int64_t num_partials = 0;
   std::vector<int64_t> skipped;
 };
 
@@ -1959,9 +2021,41 @@ AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Te
     for (int64_t i = 0; i < q_len; i += rows)
       plan.chunks.push_back({s, start[s] + i, ctx[s] - q_len + i, std::min(rows, q_len - i)});
   }
+#if defined(__AVX512F__)
+  // Fewer tiles than two per thread (a prompt's last chunk after a long cached prefix: one per kv head)
+  // leave threads idle; each such tile's blocks are split into parts of kSplitMinBlocks blocks or more, all
+  // starting at or before the block of the tile's first row so that every lane sees a position in every part.
+  const int64_t block_size = k_cache.size(1);
+  const int64_t num_tiles = static_cast<int64_t>(plan.tiles.size());
+  if (threads > 1 && num_tiles > 0 && num_tiles < 2 * threads) {
+    const int64_t wanted = (2 * threads + num_tiles - 1) / num_tiles;
+    std::vector<QueryTile> tasks;
+    for (const QueryTile& t : plan.tiles) {
+      const int64_t shared_blocks = t.pos0 / block_size + 1;  // those up to the first row's
+      const int64_t parts = std::min(wanted, shared_blocks / kSplitMinBlocks);
+      if (parts < 2) {
+        tasks.push_back(t);
+        continue;
+      }
+      plan.splits.push_back({t, plan.num_partials, parts});
+      for (int64_t p = 0; p < parts; ++p) {
+        QueryTile part = t;
+        part.block_begin = p * shared_blocks / parts;
+        if (p + 1 < parts) part.block_end = (p + 1) * shared_blocks / parts;
+        part.partial = plan.num_partials++;
+        tasks.push_back(part);
+      }
+    }
+    plan.tiles = std::move(tasks);
+  }
+#endif
   // The longest first: tasks are handed out dynamically, and a late long one would run alone.
+  const auto positions = [bs = k_cache.size(1)](const QueryTile& t) {
+    const int64_t end_block = std::min(t.block_end, (t.pos0 + t.rows - 1) / bs + 1);
+    return std::min(t.pos0 + t.rows, end_block * bs) - t.block_begin * bs;
+  };
   std::stable_sort(plan.tiles.begin(), plan.tiles.end(),
-                   [](const QueryTile& a, const QueryTile& b) { return a.pos0 + a.rows > b.pos0 + b.rows; });
+                   [&](const QueryTile& a, const QueryTile& b) { return positions(a) > positions(b); });
   return plan;
 }
 
@@ -1988,7 +2082,8 @@ void run_attention(const AttentionPlan& plan, at::Tensor& out, const at::Tensor&
       paged_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, plan.chunks, scale, out);
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if (!plan.tiles.empty())
-      tiled_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, plan.tiles, scale, out);
+      tiled_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, plan.tiles, plan.splits,
+                                     plan.num_partials, scale, out);
 #endif
   });
 }

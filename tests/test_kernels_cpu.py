@@ -159,6 +159,28 @@ def test_a_lone_decode_row_on_more_threads_than_rows_matches_oracle(ctx, threads
     assert_matches_oracle(out, oracle(query, case, [1], 0.125), torch.bfloat16)
 
 
+@pytest.mark.parametrize("threads", [2, 5])
+@pytest.mark.parametrize(("ctx", "q_len"), [(100, 15), (700, 15), (2100, 15), (700, 40), (260, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_chunk_after_a_long_cached_prefix_matches_oracle_on_any_thread_count(ctx, q_len, threads, dtype):
+    # A prompt's last chunk after its cached prefix makes few tiles (15 rows of 3 query heads: one per kv
+    # head, three here), fewer than two per thread: on AVX-512 each tile's blocks are then split into parts
+    # whose partial softmaxes are merged (not at 100 positions, too few blocks; at 5 threads 40 rows' nine
+    # tiles too).
+    case = Case([ctx], 16, 3, 64, dtype, seed=ctx + q_len)
+    query = torch.randn(q_len, 9, 64, generator=case.gen).to(dtype)
+    start_loc = torch.tensor([0, q_len], dtype=torch.int32)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = cpu_ops.paged_prefill_attention(
+            query, case.k_cache, case.v_cache, case.block_tables, start_loc, case.context_lens, 0.125
+        )
+    finally:
+        torch.set_num_threads(previous)
+    assert_matches_oracle(out, oracle(query, case, [q_len], 0.125), dtype)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_any_thread_count_gives_the_same_rows(threads):
     # Heads are split over threads only when there are fewer row chunks than threads; the rows of a
