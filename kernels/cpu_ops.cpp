@@ -380,9 +380,14 @@ inline void group_scores_bf16_64(const at::BFloat16* q, const at::BFloat16* rows
   }
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t m = std::min<int64_t>(16, n - j0);
-    __m512 quad[G][4];  // per vector, the 4 rows k .. k + 3 summed pairwise per 128-bit lane
+    // Per vector, rows 4k .. 4k + 3 summed pairwise per 128-bit lane (quad), and two such quads' 128-bit
+    // lanes summed (half): each level reduced as soon as its inputs are done, so that no more than G x 4
+    // sums, G quads and G halves are live at once (with all G x 4 quads kept to the end, they spilled).
+    __m512 quad[G][2], half[G][2];
+#pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
       __m512 acc[G][4];
+#pragma GCC unroll 4
       for (int r = 0; r < 4; ++r) {
         const int j = 4 * k + r;
         // Lanes past m repeat the last row and are never stored.
@@ -398,18 +403,18 @@ inline void group_scores_bf16_64(const at::BFloat16* q, const at::BFloat16* rows
         const __m512 t1 =
             _mm512_add_ps(_mm512_unpacklo_ps(acc[g][2], acc[g][3]), _mm512_unpackhi_ps(acc[g][2], acc[g][3]));
         const __m512d a = _mm512_castps_pd(t0), b = _mm512_castps_pd(t1);
-        quad[g][k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                                   _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+        quad[g][k % 2] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                       _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+        if (k % 2 == 1)
+          half[g][k / 2] =
+              _mm512_add_ps(_mm512_shuffle_f32x4(quad[g][0], quad[g][1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(quad[g][0], quad[g][1], _MM_SHUFFLE(3, 1, 3, 1)));
       }
     }
     for (int g = 0; g < G; ++g) {
-      __m512 w[2];
-      for (int i = 0; i < 2; ++i)
-        w[i] =
-            _mm512_add_ps(_mm512_shuffle_f32x4(quad[g][2 * i], quad[g][2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_shuffle_f32x4(quad[g][2 * i], quad[g][2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-      const __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                        _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+      const __m512 sums =
+          _mm512_add_ps(_mm512_shuffle_f32x4(half[g][0], half[g][1], _MM_SHUFFLE(2, 0, 2, 0)),
+                        _mm512_shuffle_f32x4(half[g][0], half[g][1], _MM_SHUFFLE(3, 1, 3, 1)));
       _mm512_mask_storeu_ps(out + g * out_stride + j0, static_cast<__mmask16>((1u << m) - 1),
                             _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
     }
