@@ -1357,7 +1357,8 @@ int64_t tile_lanes(const AttentionArgs<T>& a, const QueryTile& t, int32_t* limit
 }
 
 // Block `block`'s K and V rows of one kv head (slot_stride apart), on their way while the block before it
-// is computed: it lies anywhere in the pool.
+// is computed: it lies anywhere in the pool. Always inlined, as prefetch_tile: each tiled kernel carries its
+// own prefetches (a test reads them there).
 template <typename T>
 __attribute__((always_inline)) inline void prefetch_tile_block(const AttentionArgs<T>& a, int64_t block,
                                                                int64_t kv_head) {
