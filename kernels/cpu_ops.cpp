@@ -1700,9 +1700,9 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
     const T* lane_q[kTileLanes];
     T* lane_out[kTileLanes];
     const int64_t lanes = tile_lanes(a, split.tile, limit, lane_q, lane_out);
+    const float* first = &partials[split.first_partial * partial_size];
     alignas(64) float inv[kTileLanes];
     for (int64_t g = 0; g < lanes; g += 16) {
-      const float* first = &partials[split.first_partial * partial_size];
       __m512 max = _mm512_loadu_ps(first + g);
       for (int64_t p = 1; p < split.parts; ++p)
         max = _mm512_max_ps(max, _mm512_loadu_ps(first + p * partial_size + g));
@@ -2027,11 +2027,11 @@ AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Te
     for (int64_t i = 0; i < q_len; i += rows)
       plan.chunks.push_back({s, start[s] + i, ctx[s] - q_len + i, std::min(rows, q_len - i)});
   }
+  const int64_t block_size = k_cache.size(1);
 #if defined(__AVX512F__)
   // Fewer tiles than two per thread (a prompt's last chunk after a long cached prefix: one per kv head)
   // leave threads idle; each such tile's blocks are split into parts of kSplitMinBlocks blocks or more, all
   // starting at or before the block of the tile's first row so that every lane sees a position in every part.
-  const int64_t block_size = k_cache.size(1);
   const int64_t num_tiles = static_cast<int64_t>(plan.tiles.size());
   if (threads > 1 && num_tiles > 0 && num_tiles < 2 * threads) {
     const int64_t wanted = (2 * threads + num_tiles - 1) / num_tiles;
@@ -2056,9 +2056,9 @@ AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Te
   }
 #endif
   // The longest first: tasks are handed out dynamically, and a late long one would run alone.
-  const auto positions = [bs = k_cache.size(1)](const QueryTile& t) {
-    const int64_t end_block = std::min(t.block_end, (t.pos0 + t.rows - 1) / bs + 1);
-    return std::min(t.pos0 + t.rows, end_block * bs) - t.block_begin * bs;
+  const auto positions = [block_size](const QueryTile& t) {
+    const int64_t end_block = std::min(t.block_end, (t.pos0 + t.rows - 1) / block_size + 1);
+    return std::min(t.pos0 + t.rows, end_block * block_size) - t.block_begin * block_size;
   };
   std::stable_sort(plan.tiles.begin(), plan.tiles.end(),
                    [&](const QueryTile& a, const QueryTile& b) { return positions(a) > positions(b); });
