@@ -1,4 +1,4 @@
-"""`pagedserve gateway`: uvicorn (uvloop) for the HTTP API and grpc.aio for the gRPC API, in one event loop."""
+"""`pagedserve gateway`: uvicorn for the HTTP API and grpc.aio for the gRPC API, in one event loop."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pagedserve.errors import PagedServeError
 from pagedserve.grpc_utils import SERVER_OPTIONS, add_health_and_reflection, set_serving
 from pagedserve.logging import configure_logging, get_logger
 from pagedserve.proto import text_generation_pb2_grpc
-from pagedserve.service_main import freeze_startup_objects
+from pagedserve.service_main import freeze_startup_objects, run_event_loop
 from pagedserve.tracing import setup_tracing
 
 from .auth import ApiKeys
@@ -144,12 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("gateway", config.log_level)
     setup_tracing("pagedserve-gateway")
     tokenizer, model = load_model(config)
-    try:
-        import uvloop
-    except ImportError:  # Windows
-        asyncio.run(serve(config, tokenizer, model))
-    else:
-        uvloop.run(serve(config, tokenizer, model))
+    run_event_loop(serve(config, tokenizer, model))
     return 0
 
 

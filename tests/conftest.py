@@ -18,8 +18,11 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def anyio_backend() -> str:
-    return "asyncio"
+def anyio_backend():
+    """The async tests run on the event loop the services run on (see service_main.EVENT_LOOP_FACTORY)."""
+    from pagedserve.service_main import EVENT_LOOP_FACTORY
+
+    return "asyncio", {"loop_factory": EVENT_LOOP_FACTORY}
 
 
 @pytest.fixture(scope="session")
