@@ -29,11 +29,11 @@ except ImportError:  # Windows: uvloop is not installed there
 # writes the step's result while the compute thread waits to get it back. uvloop wakes it from C
 # (uv_async_send) with the GIL held, so the compute thread starts the next step first and the loop
 # writes the result while the forward pass has the GIL released. `make serve`, then `pagedserve bench
-# serve`, 2-core Zen 4, alternating runs of the worker on each loop: from the end of one step to the
-# start of the next, concurrency 1 (128 + 128 tokens) 0.36-0.41 ms against 1.19-1.52 (3.0-3.6 % of the
-# step against 10.1-13.5 %), concurrency 16 (256 + 64) 1.14-1.45 ms against 3.05-3.10 (2.1-2.5 %
-# against 4.7-5.2 %), output tokens/s within the machine's noise. In the scheduler it takes about a
-# tenth of the process's CPU off each token.
+# serve`, 2-core Zen 4, against the scheduler and worker on asyncio in three alternations: from the end
+# of one step to the start of the next, concurrency 1 (128 + 128 tokens) 0.33-0.37 ms against 1.09-1.47
+# (3.2-3.4 % of the step against 9.6-12.7 %), concurrency 16 (256 + 64) 1.1-1.6 % against 2.7-4.6 %;
+# output tokens/s 79-85 against 75-78 and 244-256 against 248-261. Service by service, the gap follows
+# the worker's loop alone; the scheduler's takes about a tenth of that process's CPU off each token.
 EVENT_LOOP_FACTORY: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop if uvloop else None
 
 
