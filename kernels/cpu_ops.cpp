@@ -267,11 +267,18 @@ inline void prefetch_write(const void* ptr, int64_t bytes) {
 // shares are small (below kFetchBurstBytes), prefetch before each visit as before: shared out, they ran
 // 3-6 % slower. The same on AVX-512 BF16 (30 layers, each read from memory, 2-core Zen 5, alternating in
 // one process): 24 sequences of 300 positions 218 -> 203 and 279 -> 227 us a layer, 8 of 800 180 -> 166
-// and 235 -> 197, one of 2048 83 -> 73; with the caches in L3, 24 of 300 0.96x as long. Where a sequence's
-// next block is the one after it in the pool, though, the burst did better there (16 sequences of 400
-// positions: 132 and 125 us a layer against 143 and 138 shared out), and it stays (see paged_attention_impl's
-// walk). (Measured with a share of lines interleaved across the rows; this even split, alternating builds
-// three times: 24 of 300 scattered 179-214 against 191-202 us, 16 of 400 in order and one of 2048 even.)
+// and 235 -> 197, one of 2048 83 -> 73; with the caches in L3, 24 of 300 0.96x as long. (Measured with a
+// share of lines interleaved across the rows; this even split, alternating builds three times: 24 of 300
+// scattered 179-214 against 191-202 us, 16 of 400 in order and one of 2048 even.) Where a sequence's next
+// block is the one after it in the pool, the Zen 5 did better with the burst (16 sequences of 400
+// positions: 132 and 125 us a layer against 143 and 138 shared out), but on a 2-core Zen 4 (family 25) the
+// burst's prefetches stall, the miss queue full (`perf annotate`: a fifth of paged_attention_impl's own
+// samples on the instruction after its prefetch loop), and shared out they run 0.79-0.97x as long (30
+// layers, each from memory, blocks in order, alternating builds: 16 sequences of 400 positions 296-299 ->
+// 258 us a layer, 4 of 1024 194-197 -> 153-167, one of 1024 45-57 -> 41-51, one of 2048 87-118 -> 85-91;
+// scattered, 16 of 400 438-440 against 408-440, the same path as before): bench_worker's decode steps of 16
+// sequences at 512 / 1024 / 2048 positions 27.8-31.4 / 39.6-40.4 / 55.8-66.9 -> 22.1-23.2 / 31.4-31.5
+// / 48.0-50.8 ms. Every decode row now shares its prefetches out, wherever the next block lies.
 struct FetchShare {
   const char* at;
   int64_t bytes, per_step;
@@ -1106,8 +1113,8 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       // first position. The next block (at the last one, `then`'s first: the V walk follows the K walk)
       // is prefetched a slice a visit, which keeps the memory busy while the block is computed (48
       // sequences of 300 positions, scattered blocks: 0.70 -> 0.59 ms a layer against one prefetch of the
-      // whole block up front): before the visit, or by the bf16 kernels over their rows where the next
-      // block does not follow this one in the pool (`spread`). False at a block id outside the cache.
+      // whole block up front): before the visit, or by the bf16 kernels over their rows (see FetchShare).
+      // False at a block id outside the cache.
       const auto walk = [&](const T* cache, const T* then, bool widen, auto&& visit) {
         for (int64_t b = tk.b0; b < tk.b1; ++b) {
           const int64_t block = table[b];
@@ -1116,10 +1123,8 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
             return false;
           }
           const char* ahead = nullptr;
-          bool spread = true;  // the next block lies elsewhere: its share goes out over the kernels' rows
           if (b + 1 < tk.b1 && a.valid_block(table[b + 1], b + 1)) {
             ahead = reinterpret_cast<const char*>(cache + table[b + 1] * a.block_size * a.slot_stride);
-            spread = table[b + 1] != block + 1;
           } else if (b + 1 == tk.b1 && then != nullptr && a.valid_block(table[tk.b0], tk.b0)) {
             ahead = reinterpret_cast<const char*>(then + table[tk.b0] * a.block_size * a.slot_stride);
           }
@@ -1137,7 +1142,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
               const int64_t fetch =
                   ahead != nullptr ? std::max<int64_t>(0, std::min(slice, block_bytes - fetched)) : 0;
               visit(i * nq + kh * a.group, &tile[kh * a.head_dim], raw + kh * a.head_dim, first - k0, n,
-                    ahead == nullptr ? nullptr : ahead + fetched, fetch, spread);
+                    ahead == nullptr ? nullptr : ahead + fetched, fetch);
               fetched += fetch;
             }
           }
@@ -1147,7 +1152,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       const bool valid = walk(
           a.k_ptr, a.v_ptr, !raw_scores && !in_place,
           [&](int64_t v0, const float* k_rows, const T* k_raw, int64_t first, int64_t n, const char* fetch,
-              int64_t fetch_bytes, bool spread) {
+              int64_t fetch_bytes) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
             if constexpr (kInPlaceType) {
               if (in_place) {
@@ -1157,8 +1162,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
             }
 #endif
             // The bf16 kernels share a decode row's share out over their rows (see FetchShare).
-            if (!raw_scores || !spread || fetch_bytes <= kFetchBurstBytes)
-              prefetch(fetch, fetch_bytes), fetch_bytes = 0;
+            if (!raw_scores || fetch_bytes <= kFetchBurstBytes) prefetch(fetch, fetch_bytes), fetch_bytes = 0;
 #if defined(__AVX512BF16__)
             if constexpr (std::is_same_v<T, c10::BFloat16>) {
               if (raw_scores && a.head_dim == 64) {  // the group's vectors (one row's heads) side by side
@@ -1210,7 +1214,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       std::fill(sums, sums + c.len * nq * a.head_dim, 0.f);
       walk(a.v_ptr, nullptr, !raw_values && !in_place,
            [&](int64_t v0, const float* v_rows, const T* v_raw, int64_t first, int64_t n, const char* fetch,
-               int64_t fetch_bytes, bool spread) {
+               int64_t fetch_bytes) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
              if constexpr (kInPlaceType) {
                if (in_place) {
@@ -1220,7 +1224,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
                }
              }
 #endif
-             if (!raw_values || !spread || fetch_bytes <= kFetchBurstBytes)
+             if (!raw_values || fetch_bytes <= kFetchBurstBytes)
                prefetch(fetch, fetch_bytes), fetch_bytes = 0;  // else shared out over the kernel's steps
 #if defined(__AVX512BF16__)
              if constexpr (std::is_same_v<T, c10::BFloat16>) {
