@@ -25,8 +25,9 @@ except ImportError:  # Windows: uvloop is not installed there
 #
 # NOTE: in a worker the choice sets how soon the next step starts. When the compute thread ends a step
 # it wakes the loop (call_soon_threadsafe) and goes on into the next plan, already queued. asyncio
-# wakes the loop with a socket send, which releases the GIL: the loop, now awake, takes the GIL and
-# writes the step's result while the compute thread waits to get it back. uvloop wakes it from C
+# wakes the loop with a socket send, which releases the GIL: the loop, now awake, can take the GIL
+# there (a race it won in most steps on 2 cores) and write the step's result while the compute thread
+# waits to get it back. uvloop wakes it from C
 # (uv_async_send) with the GIL held, so the compute thread starts the next step first and the loop
 # writes the result while the forward pass has the GIL released. `make serve`, then `pagedserve bench
 # serve`, 2-core Zen 4, against the scheduler and worker on asyncio in three alternations: from the end
