@@ -252,6 +252,18 @@ inline void prefetch(const void* ptr, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) prefetch_line(p + off, false);
 }
 
+// prefetch into L2 only (prefetcht1), where a decode row's next block goes (see FetchShare).
+inline void prefetch_l2(const void* ptr, int64_t bytes) {
+  const char* p = static_cast<const char*>(ptr);
+  for (int64_t off = 0; off < bytes; off += 64) {
+#if defined(__x86_64__)
+    asm volatile("prefetcht1 %0" : : "m"(p[off]));
+#else
+    __builtin_prefetch(p + off, 0, 2);
+#endif
+  }
+}
+
 // prefetch for lines about to be written (owned by this core when the stores come).
 inline void prefetch_write(const void* ptr, int64_t bytes) {
   const char* p = static_cast<const char*>(ptr);
@@ -279,6 +291,13 @@ inline void prefetch_write(const void* ptr, int64_t bytes) {
 // scattered, 16 of 400 438-440 against 408-440, the same path as before): bench_worker's decode steps of 16
 // sequences at 512 / 1024 / 2048 positions 27.8-31.4 / 39.6-40.4 / 55.8-66.9 -> 22.1-23.2 / 31.4-31.5
 // / 48.0-50.8 ms. Every decode row now shares its prefetches out, wherever the next block lies.
+// The shares go into L2 (prefetcht1) rather than L1: on the Zen 4 the L1's misses in flight are the limit,
+// and the block is read from L2 fast enough. 30 layers from memory, alternating builds, us a layer: 16
+// sequences of 400 positions 221-231 -> 197, scattered 387-427 -> 295-324, 4 of 1024 136-161 -> 130-131,
+// one of 2048 70-76 -> 63-71, one of 512 and of 1024 even; bench_worker's decode steps of 16 sequences at
+// 512 / 1024 / 2048 positions 23.3-24.4 / 31.3-32.6 / 45.0-51.5 -> 21.1-21.4 / 28.3-32.1 / 43.0-49.1 ms,
+// one sequence's within the copy's noise. (On the Zen 5, with the L1 burst for blocks in order, decode
+// steps ran 0.97-0.98x as long into L1: see prefetch_line; unmeasured there with these shares.)
 struct FetchShare {
   const char* at;
   int64_t bytes, per_step;
@@ -288,11 +307,11 @@ struct FetchShare {
         per_step(bytes > 0 ? ((bytes + 63) / 64 + steps - 1) / std::max<int64_t>(1, steps) * 64 : 0) {}
   void step() {
     const int64_t now = std::min(per_step, bytes);
-    prefetch(at, now);
+    prefetch_l2(at, now);
     at += now, bytes -= now;
   }
   void rest() {
-    prefetch(at, bytes);
+    prefetch_l2(at, bytes);
     bytes = 0;
   }
 };
