@@ -223,52 +223,59 @@ inline bool with_head_chunks(int64_t size, F&& f) {
 }
 #endif
 
-// One line on its way to the cache, for reading (prefetcht0, as __builtin_prefetch(p, 0, 3)) or for
-// writing (prefetchw). On x86-64 an asm statement: GCC gives __builtin_prefetch no side effects, so a
-// function that only prefetches (prefetch_tile_block, prefetch_tile) was found to be const and its calls
-// deleted, and the tiled kernel ran with no prefetch at all. 15 queries after 685 cached positions, 30
-// layers' caches (one read from memory per layer, scattered blocks, 2-core Zen 5, alternating): 166-241
-// -> 96-127 us a layer. Into L1 rather than L2 (prefetcht2, before): the same, alternating in one process,
-// 99.7 -> 96.0 and 158.6 -> 110.2 us; decode steps 0.97-0.98x as long (one sequence at 512 and 2048
-// positions, 16 at 400).
-inline void prefetch_line(const char* p, bool write) {
+// Where a prefetched line goes: into L1 for reading (prefetcht0, as __builtin_prefetch(p, 0, 3)), into L2
+// only for reading (prefetcht1, as (p, 0, 2)), or into L1 for writing (prefetchw).
+enum class Fetch { kRead, kReadL2, kWrite };
+
+// One line on its way to the cache. On x86-64 an asm statement: GCC gives __builtin_prefetch no side
+// effects, so a function that only prefetches (prefetch_tile_block, prefetch_tile) was found to be const and
+// its calls deleted, and the tiled kernel ran with no prefetch at all. 15 queries after 685 cached
+// positions, 30 layers' caches (one read from memory per layer, scattered blocks, 2-core Zen 5,
+// alternating): 166-241 -> 96-127 us a layer. Into L1 rather than L2 (prefetcht2, before): the same,
+// alternating in one process, 99.7 -> 96.0 and 158.6 -> 110.2 us; decode steps 0.97-0.98x as long (one
+// sequence at 512 and 2048 positions, 16 at 400).
+inline void prefetch_line(const char* p, Fetch kind) {
 #if defined(__x86_64__)
-  if (write)
-    asm volatile("prefetchw %0" : : "m"(*p));
-  else
-    asm volatile("prefetcht0 %0" : : "m"(*p));
+  switch (kind) {
+    case Fetch::kRead:
+      asm volatile("prefetcht0 %0" : : "m"(*p));
+      break;
+    case Fetch::kReadL2:
+      asm volatile("prefetcht1 %0" : : "m"(*p));
+      break;
+    case Fetch::kWrite:
+      asm volatile("prefetchw %0" : : "m"(*p));
+      break;
+  }
 #else
-  if (write)
-    __builtin_prefetch(p, 1, 1);
-  else
-    __builtin_prefetch(p, 0, 3);
+  switch (kind) {
+    case Fetch::kRead:
+      __builtin_prefetch(p, 0, 3);
+      break;
+    case Fetch::kReadL2:
+      __builtin_prefetch(p, 0, 2);
+      break;
+    case Fetch::kWrite:
+      __builtin_prefetch(p, 1, 1);
+      break;
+  }
 #endif
+}
+
+inline void prefetch_lines(const void* ptr, int64_t bytes, Fetch kind) {
+  const char* p = static_cast<const char*>(ptr);
+  for (int64_t off = 0; off < bytes; off += 64) prefetch_line(p + off, kind);
 }
 
 // Brings the bytes [ptr, ptr + bytes) towards the cache ahead of use: the next block of a sequence lies
 // anywhere in the pool, so the hardware prefetcher cannot guess it.
-inline void prefetch(const void* ptr, int64_t bytes) {
-  const char* p = static_cast<const char*>(ptr);
-  for (int64_t off = 0; off < bytes; off += 64) prefetch_line(p + off, false);
-}
+inline void prefetch(const void* ptr, int64_t bytes) { prefetch_lines(ptr, bytes, Fetch::kRead); }
 
-// prefetch into L2 only (prefetcht1), where a decode row's next block goes (see FetchShare).
-inline void prefetch_l2(const void* ptr, int64_t bytes) {
-  const char* p = static_cast<const char*>(ptr);
-  for (int64_t off = 0; off < bytes; off += 64) {
-#if defined(__x86_64__)
-    asm volatile("prefetcht1 %0" : : "m"(p[off]));
-#else
-    __builtin_prefetch(p + off, 0, 2);
-#endif
-  }
-}
+// prefetch into L2 only, where a decode row's next block goes (see FetchShare).
+inline void prefetch_l2(const void* ptr, int64_t bytes) { prefetch_lines(ptr, bytes, Fetch::kReadL2); }
 
 // prefetch for lines about to be written (owned by this core when the stores come).
-inline void prefetch_write(const void* ptr, int64_t bytes) {
-  const char* p = static_cast<const char*>(ptr);
-  for (int64_t off = 0; off < bytes; off += 64) prefetch_line(p + off, true);
-}
+inline void prefetch_write(const void* ptr, int64_t bytes) { prefetch_lines(ptr, bytes, Fetch::kWrite); }
 
 // The bytes [at, at + bytes) (the next block of the cache) prefetched a share at a time over `steps` steps
 // of a kernel, so that the prefetches do not queue up behind each other in one burst: issued back to back
