@@ -94,6 +94,18 @@ def test_the_attention_kernels_keep_their_prefetches():
     for kernel in ("paged_attention_impl<float>", "paged_attention_impl<c10::BFloat16>"):
         assert prefetches(kernel)["prefetcht0"] > 0, kernel
     if cpu_ops.load().has_linear():  # AVX2 with FMA, or AVX-512: the builds with a tiled kernel
+        # A decode row's next block, shared out over the rows of the kernels that read it in place, goes
+        # into L2 (FetchShare): the bf16 decode path with its kernels, on AVX-512 BF16 or on AVX2.
+        decode = (
+            "paged_attention_impl<c10::BFloat16>",
+            "group_scores_bf16_64",
+            "block_scores_bf16_avx512",
+            "accumulate_group_bf16_avx512",
+            "group_scores_avx2",
+            "group_values_avx2",
+        )
+        shares = sum((prefetches(kernel) for kernel in decode), Counter())
+        assert shares["prefetcht1"] > 0, shares
         for kernel in ("tiled_attention_impl<float>", "tiled_attention_impl<c10::BFloat16>"):
             found = prefetches(kernel)
             # prefetch_tile_block: the next block's K and V rows; prefetch_tile: the next task's query rows
