@@ -323,6 +323,15 @@ struct FetchShare {
   }
 };
 
+// How many blocks ahead of the one computed the attention prefetches: the next but one. One block ahead
+// was too near on a 2-core Zen 4 (family 25), where a block's share came in after its visit began: 30
+// layers from memory, blocks in order, alternating in one process, us a layer: one sequence of 2048
+// positions 69.7 -> 61.2, of 512 20.2 -> 18.5, 16 of 400 230 -> 211, 4 of 1024 115 -> 100, 64 of 192 377
+// -> 353 (0.86-0.92x); scattered blocks 0.98-1.01x; three or four blocks ahead 0.88-0.97x, six 0.92-1.01x.
+// Whole decode steps (bench_worker's plans, alternating step by step): one sequence at 2048 positions
+// 0.95x as long, at 512 0.99x, 16 at 512 0.94x, 4 at 1024 0.96x.
+constexpr int64_t kFetchAhead = 2;
+
 // Up to this many bytes of the next block are prefetched before a visit (a prompt row's share); more (a
 // decode row's) are shared out over the kernels' steps (see FetchShare).
 constexpr int64_t kFetchBurstBytes = 1024;
@@ -1136,11 +1145,20 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       // visit(v, rows, raw, first, n) for every row that sees n > 0 of the block's positions and every kv
       // head: v is the first of the head's group of query vectors (the group is v .. v + group - 1), rows
       // the head's rows in the tile, raw the same rows in the cache (slot_stride apart), first the block's
-      // first position. The next block (at the last one, `then`'s first: the V walk follows the K walk)
-      // is prefetched a slice a visit, which keeps the memory busy while the block is computed (48
-      // sequences of 300 positions, scattered blocks: 0.70 -> 0.59 ms a layer against one prefetch of the
-      // whole block up front): before the visit, or by the bf16 kernels over their rows (see FetchShare).
-      // False at a block id outside the cache.
+      // first position. The block kFetchAhead on (past the last ones, `then`'s first: the V walk follows
+      // the K walk) is prefetched a slice a visit, which keeps the memory busy while the block is computed
+      // (48 sequences of 300 positions, scattered blocks: 0.70 -> 0.59 ms a layer against one prefetch of
+      // the whole block up front): before the visit, or by the bf16 kernels over their rows (see
+      // FetchShare). The blocks between are prefetched whole as the K walk starts. False at a block id
+      // outside the cache.
+      const auto ahead_of = [&](const T* cache, const T* then, int64_t b) -> const char* {
+        if (b >= tk.b1) {  // into `then`'s blocks
+          if (then == nullptr) return nullptr;
+          cache = then, b = tk.b0 + (b - tk.b1);
+        }
+        if (b >= tk.b1 || !a.valid_block(table[b], b)) return nullptr;
+        return reinterpret_cast<const char*>(cache + table[b] * a.block_size * a.slot_stride);
+      };
       const auto walk = [&](const T* cache, const T* then, bool widen, auto&& visit) {
         for (int64_t b = tk.b0; b < tk.b1; ++b) {
           const int64_t block = table[b];
@@ -1148,12 +1166,10 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
             bad.report(block);
             return false;
           }
-          const char* ahead = nullptr;
-          if (b + 1 < tk.b1 && a.valid_block(table[b + 1], b + 1)) {
-            ahead = reinterpret_cast<const char*>(cache + table[b + 1] * a.block_size * a.slot_stride);
-          } else if (b + 1 == tk.b1 && then != nullptr && a.valid_block(table[tk.b0], tk.b0)) {
-            ahead = reinterpret_cast<const char*>(then + table[tk.b0] * a.block_size * a.slot_stride);
-          }
+          if (b == tk.b0 && then != nullptr)
+            for (int64_t e = 1; e < kFetchAhead; ++e)
+              if (const char* between = ahead_of(cache, then, b + e)) prefetch_l2(between, block_bytes);
+          const char* ahead = ahead_of(cache, then, b + kFetchAhead);
           const int64_t first = b * a.block_size, end = std::min(a.block_size, span - first);
           const int64_t i0 = std::max<int64_t>(0, first - c.pos0);
           const int64_t visits = (c.len - i0) * (tk.h1 - tk.h0);
