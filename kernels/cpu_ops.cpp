@@ -37,6 +37,9 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 
 // NOTE: where the build targets AVX-512 (-march=native on such a CPU), the inner loops of attention
 // (dot products, exp, the softmax sums, the weighted sum of V rows) are written with its intrinsics. GCC
@@ -2600,7 +2603,36 @@ constexpr int64_t kBlockPrefetchBytes = 8192;
 // which alone changed nothing). With 4 rows, none made a step 1.03x as long. Into L1 (prefetcht0) rather
 // than L2 on the Zen 5, alternating step by step at 400 positions: 2 sequences 0.98x as long, 4 0.97x, 8
 // (two streams) even; block_kernel's prefetches the same at 16 sequences, and they stay in L2.
+// That is the Zen 5's way (see streams_into_l2); elsewhere the streams prefetch into L2, a single row too.
 constexpr int64_t kFourStreamPrefetchBytes = 1024;
+
+// Whether block_kernel_streams prefetches W into L2 only (prefetcht1) rather than into L1 (prefetcht0),
+// a single row as its four streams do (1 KB ahead) rather than not at all: everywhere but on a Zen 5
+// (AMD family 26), whose numbers are above. On a 2-core Zen 4 (family 25) the L1's misses in flight are
+// the limit, as for the decode attention's prefetches (see FetchShare), and the lines come from L2 in
+// time. Whole decode steps there, bench_worker's plans, alternating step by step in one process: 2
+// sequences at 1024 positions 0.93x as long, 3 / 4 / 6 / 8 at 512 0.95x / 0.94x / 0.93x / 0.88x, one at
+// 512 and at 2048 positions 0.97x and 0.99x (in two more runs 0.94-0.96x), 16 at 512 (block_kernel,
+// untouched) 0.995x; again, the two paths as built here: 2 / 4 / 8 at 512 positions 0.88x / 0.85x / 0.80x,
+// one at 512 and 2048 0.98x and 1.0x, 16 1.0x. One row into L1 instead, 1 KB ahead, 1.02x. Into L2, nearer
+// and further: one row 512 bytes ahead 0.96-0.97x, 2 KB 0.97-0.99x; 2-4 rows 512 bytes 0.89-0.93x, 2 KB
+// 0.88-0.93x, against 0.89-0.93x at 1 KB; 6 and 8 rows 2 KB 0.91-0.92x, 8 KB 0.84-0.90x, against 0.83-0.90x
+// at 4 KB.
+inline bool streams_into_l2() {
+#if defined(__x86_64__)
+  static const bool into_l2 = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return true;
+    const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
+    if (!amd || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return true;
+    const unsigned base = (eax >> 8) & 0xf, family = base == 0xf ? base + ((eax >> 20) & 0xff) : base;
+    return family != 26;
+  }();
+  return into_l2;
+#else
+  return true;
+#endif
+}
 
 // The blocks (or slots of blocks) of W shared out among `threads` threads as runs, thread t's run being slots
 // slots * t / threads .. slots * (t + 1) / threads - 1: one sequential stream of W a thread. A run is taken
@@ -2749,12 +2781,14 @@ constexpr auto kKernels = make_table(std::make_integer_sequence<int, kMaxRows>{}
 // A core reads faster from several sequential streams than from one (2 threads, plain read loop over
 // 512 MB: one stream a thread 32.7 GB/s, two 34.3, four 36.2, eight 35.7, six rounds each), which counts
 // where rows are few and the weights' stream sets the time. U sets of sums per block, as in block_kernel.
-template <int S, int ROWS, int U>
+// kL2: W prefetched into L2, a single row too (see streams_into_l2).
+template <int S, int ROWS, int U, bool kL2>
 void block_kernel_streams(const at::BFloat16* w, int64_t step, const at::BFloat16* x, int64_t ldx,
                           int64_t pairs, const __m512* bias, at::BFloat16* y, int64_t ldy,
                           const __mmask16* cols) {
   const int64_t w_step = step * pairs * 2 * kBlock;
-  constexpr int64_t ahead = S >= 4 ? (ROWS == 1 ? 0 : kFourStreamPrefetchBytes) : kPrefetchBytes;
+  constexpr int64_t ahead = S >= 4 ? (ROWS == 1 && !kL2 ? 0 : kFourStreamPrefetchBytes) : kPrefetchBytes;
+  constexpr Fetch kFetch = kL2 ? Fetch::kReadL2 : Fetch::kRead;
   __m512 acc[S][U][ROWS];
 #pragma GCC unroll 32
   for (int s = 0; s < S; ++s)
@@ -2769,7 +2803,7 @@ void block_kernel_streams(const at::BFloat16* w, int64_t step, const at::BFloat1
 #pragma GCC unroll 32
       for (int s = 0; s < S; ++s) {
         const at::BFloat16* line = w + s * w_step + (p + u) * 2 * kBlock;
-        if constexpr (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(line) + ahead, _MM_HINT_T0);
+        if constexpr (ahead > 0) prefetch_line(reinterpret_cast<const char*>(line) + ahead, kFetch);
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(line);
 #pragma GCC unroll 32
         for (int r = 0; r < ROWS; ++r) acc[s][u][r] = dot_pair(acc[s][u][r], wv, x + r * ldx + 2 * (p + u));
@@ -2802,13 +2836,18 @@ using StreamsFn = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, in
 constexpr int kFourStreamRows = 4;
 constexpr int kTwoStreamRows = 8;
 // About eight independent chains of sums per step, as unroll() for block_kernel.
-template <int S, int... R>
+template <int S, bool kL2, int... R>
 constexpr auto make_streams_table(std::integer_sequence<int, R...>) {
   return std::array<StreamsFn, sizeof...(R)>{
-      &block_kernel_streams<S, R + 1, (8 + S * (R + 1) - 1) / (S * (R + 1))>...};
+      &block_kernel_streams<S, R + 1, (8 + S * (R + 1) - 1) / (S * (R + 1)), kL2>...};
 }
-constexpr auto kStreams4 = make_streams_table<4>(std::make_integer_sequence<int, kFourStreamRows>{});
-constexpr auto kStreams2 = make_streams_table<2>(std::make_integer_sequence<int, kTwoStreamRows>{});
+// Indexed by streams_into_l2(), then by rows - 1.
+constexpr std::array kStreams4 = {
+    make_streams_table<4, false>(std::make_integer_sequence<int, kFourStreamRows>{}),
+    make_streams_table<4, true>(std::make_integer_sequence<int, kFourStreamRows>{})};
+constexpr std::array kStreams2 = {
+    make_streams_table<2, false>(std::make_integer_sequence<int, kTwoStreamRows>{}),
+    make_streams_table<2, true>(std::make_integer_sequence<int, kTwoStreamRows>{})};
 
 // m rows are computed in chunks of at most kMaxRows rows, as even as possible, and the chunks in groups of
 // kGroupChunks: a thread runs all its blocks over one group's rows, then the next group's. So a prompt's x
@@ -2868,7 +2907,8 @@ void linear_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFlo
     };
     const auto bias_of = [&](int64_t b) { return bias_block(bias, b, cols_of(b)); };
     if (m <= kTwoStreamRows) {
-      const StreamsFn step = streams == 4 ? kStreams4[m - 1] : kStreams2[m - 1];
+      const int l2 = streams_into_l2() ? 1 : 0;
+      const StreamsFn step = streams == 4 ? kStreams4[l2][m - 1] : kStreams2[l2][m - 1];
       runs.work(t, [&](int r, int64_t u, int64_t) {
         int64_t first, part;
         if (!runs.parts_of(r, u, first, part)) {
@@ -3832,6 +3872,14 @@ bool has_linear_f32() {
 #endif
 }
 
+bool linear_streams_into_l2() {
+#if defined(__AVX512BF16__)
+  return streams_into_l2();
+#else
+  return false;
+#endif
+}
+
 // ---- a decoder's layers in one call ---------------------------------------------------------------------
 //
 // The Python model calls about ten kernels per layer. Each call costs its module and wrapper code and
@@ -4235,6 +4283,7 @@ at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t si
 }
 bool has_linear() { return ::has_linear(); }
 bool has_linear_f32() { return ::has_linear_f32(); }
+bool linear_streams_into_l2() { return ::linear_streams_into_l2(); }
 
 // The stack of final_norm's dtype: bf16 or float32.
 class DecoderStack::Impl {

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import sysconfig
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,6 +112,40 @@ def test_the_attention_kernels_keep_their_prefetches():
             # prefetch_tile_block: the next block's K and V rows; prefetch_tile: the next task's query rows
             # (read) and output rows (written).
             assert found["prefetcht0"] >= 3 and found["prefetchw"] >= 1, (kernel, found)
+
+
+def _amd_cpu_family() -> int | None:
+    """The CPU family of an AMD CPU (/proc/cpuinfo), None elsewhere."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    if "AuthenticAMD" not in info:
+        return None
+    return int(next(line for line in info.splitlines() if line.startswith("cpu family")).split(":")[1])
+
+
+@pytest.mark.skipif(
+    shutil.which("objdump") is None or platform.machine() != "x86_64",
+    reason="reads the x86-64 build with objdump",
+)
+def test_the_linear_streams_prefetch_into_l2_but_on_a_zen_5():
+    # A decode batch of 1 to 8 rows streams W as four or two streams a thread; on a Zen 4 their prefetches
+    # into L1 left decode steps of 2-8 sequences 1.1-1.25x as long as into L2 (the L1's misses in flight
+    # being the limit), where a Zen 5 did better with L1 (and a single row with none).
+    streams = {
+        name: c
+        for name, c in _prefetches_by_function(cpu_ops.load().__file__).items()
+        if name.startswith("void (anonymous namespace)::block_kernel_streams<")
+    }
+    if not streams:
+        assert not cpu_ops.load().linear_streams_into_l2()
+        pytest.skip("no AVX-512 BF16 linear in this build")
+    into_l2 = {name: c for name, c in streams.items() if ", true>(" in name}
+    assert len(into_l2) == len(streams) // 2 > 0, sorted(streams)
+    for name, found in into_l2.items():  # every row count, a single row too
+        assert found["prefetcht1"] > 0 and found["prefetcht0"] == 0, (name, found)
+    assert cpu_ops.load().linear_streams_into_l2() == (_amd_cpu_family() != 26)
 
 
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), DECODE_PARAMS)
