@@ -24,9 +24,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "silu_mul(linear(x, packed, 2 * size, bias)) without the [..., 2 * size] intermediate");
   m.def("has_linear", &ps::has_linear, "Whether this build has linear (AVX-512 BF16, or AVX2 with FMA)");
   m.def("has_linear_f32", &ps::has_linear_f32, "Whether this build has linear for float32 (AVX2 with FMA)");
-  m.def("linear_streams_into_l2", &ps::linear_streams_into_l2,
-        "Whether the AVX-512 BF16 linear's decode rows prefetch W into L2 (on every CPU but an AMD Zen 5); "
-        "false in builds without it");
+  m.def("prefetches_into_l2", &ps::prefetches_into_l2,
+        "Whether the tiled attention and the bf16 linear's decode rows prefetch into L2 rather than L1 "
+        "(on every CPU but an AMD Zen 5)");
   py::class_<ps::DecoderStack>(m, "DecoderStack", "A decoder's layers run in one call (see model.CausalLM)")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>(),
            py::arg("hidden"), py::arg("intermediate"), py::arg("num_heads"), py::arg("num_kv_heads"),

@@ -280,6 +280,30 @@ inline void prefetch_l2(const void* ptr, int64_t bytes) { prefetch_lines(ptr, by
 // prefetch for lines about to be written (owned by this core when the stores come).
 inline void prefetch_write(const void* ptr, int64_t bytes) { prefetch_lines(ptr, bytes, Fetch::kWrite); }
 
+// Whether reads ahead go into L2 only (prefetcht1) rather than into L1 where both were measured: the tiled
+// attention's next block (prefetch_tile_block) and the bf16 linear's decode streams (block_kernel_streams).
+// Everywhere but on a Zen 5 (AMD family 26), which did better with L1 (see prefetch_line, and
+// kFourStreamPrefetchBytes). On a 2-core Zen 4 (family 25) the L1's misses in flight are the limit, as for
+// the decode attention's shares (see FetchShare), and the lines come from L2 in time: the tiled attention,
+// 30 layers' caches from memory, alternating in one process, 15 queries after 700 cached positions (a
+// cached request's last tokens) 212 -> 147, 193 -> 145 and, blocks scattered, 229 -> 181 us a layer
+// (0.70-0.79x); 64 queries after 1936 0.78-0.91x; a 500-token prompt 0.98-1.01x.
+inline bool reads_ahead_into_l2() {
+#if defined(__x86_64__)
+  static const bool into_l2 = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return true;
+    const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
+    if (!amd || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return true;
+    const unsigned base = (eax >> 8) & 0xf, family = base == 0xf ? base + ((eax >> 20) & 0xff) : base;
+    return family != 26;
+  }();
+  return into_l2;
+#else
+  return true;
+#endif
+}
+
 // The bytes [at, at + bytes) (the next block of the cache) prefetched a share at a time over `steps` steps
 // of a kernel, so that the prefetches do not queue up behind each other in one burst: issued back to back
 // before each visit of a block, a decode row's prefetches held half of `perf`'s samples of the attention's
@@ -1412,9 +1436,10 @@ template <typename T>
 __attribute__((always_inline)) inline void prefetch_tile_block(const AttentionArgs<T>& a, int64_t block,
                                                                int64_t kv_head) {
   const int64_t at = block * a.block_size * a.slot_stride + kv_head * a.head_dim;
+  const Fetch kind = reads_ahead_into_l2() ? Fetch::kReadL2 : Fetch::kRead;
   for (int64_t j = 0; j < a.block_size; ++j) {
-    prefetch(a.k_ptr + at + j * a.slot_stride, a.head_dim * sizeof(T));
-    prefetch(a.v_ptr + at + j * a.slot_stride, a.head_dim * sizeof(T));
+    prefetch_lines(a.k_ptr + at + j * a.slot_stride, a.head_dim * sizeof(T), kind);
+    prefetch_lines(a.v_ptr + at + j * a.slot_stride, a.head_dim * sizeof(T), kind);
   }
 }
 
@@ -2603,36 +2628,20 @@ constexpr int64_t kBlockPrefetchBytes = 8192;
 // which alone changed nothing). With 4 rows, none made a step 1.03x as long. Into L1 (prefetcht0) rather
 // than L2 on the Zen 5, alternating step by step at 400 positions: 2 sequences 0.98x as long, 4 0.97x, 8
 // (two streams) even; block_kernel's prefetches the same at 16 sequences, and they stay in L2.
-// That is the Zen 5's way (see streams_into_l2); elsewhere the streams prefetch into L2, a single row too.
+// That is the Zen 5's way (see reads_ahead_into_l2); elsewhere the streams prefetch into L2, a single row
+// too.
 constexpr int64_t kFourStreamPrefetchBytes = 1024;
 
-// Whether block_kernel_streams prefetches W into L2 only (prefetcht1) rather than into L1 (prefetcht0),
-// a single row as its four streams do (1 KB ahead) rather than not at all: everywhere but on a Zen 5
-// (AMD family 26), whose numbers are above. On a 2-core Zen 4 (family 25) the L1's misses in flight are
-// the limit, as for the decode attention's prefetches (see FetchShare), and the lines come from L2 in
-// time. Whole decode steps there, bench_worker's plans, alternating step by step in one process: 2
-// sequences at 1024 positions 0.93x as long, 3 / 4 / 6 / 8 at 512 0.95x / 0.94x / 0.93x / 0.88x, one at
-// 512 and at 2048 positions 0.97x and 0.99x (in two more runs 0.94-0.96x), 16 at 512 (block_kernel,
+// block_kernel_streams' kL2: W prefetched into L2 only (prefetcht1) rather than into L1 (prefetcht0), a
+// single row as its four streams do (1 KB ahead) rather than not at all (see reads_ahead_into_l2). On a
+// 2-core Zen 4 (family 25), whole decode steps, bench_worker's plans, alternating step by step in one
+// process: 2 sequences at 1024 positions 0.93x as long, 3 / 4 / 6 / 8 at 512 0.95x / 0.94x / 0.93x / 0.88x,
+// one at 512 and at 2048 positions 0.97x and 0.99x (in two more runs 0.94-0.96x), 16 at 512 (block_kernel,
 // untouched) 0.995x; again, the two paths as built here: 2 / 4 / 8 at 512 positions 0.88x / 0.85x / 0.80x,
 // one at 512 and 2048 0.98x and 1.0x, 16 1.0x. One row into L1 instead, 1 KB ahead, 1.02x. Into L2, nearer
 // and further: one row 512 bytes ahead 0.96-0.97x, 2 KB 0.97-0.99x; 2-4 rows 512 bytes 0.89-0.93x, 2 KB
 // 0.88-0.93x, against 0.89-0.93x at 1 KB; 6 and 8 rows 2 KB 0.91-0.92x, 8 KB 0.84-0.90x, against 0.83-0.90x
 // at 4 KB.
-inline bool streams_into_l2() {
-#if defined(__x86_64__)
-  static const bool into_l2 = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return true;
-    const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
-    if (!amd || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return true;
-    const unsigned base = (eax >> 8) & 0xf, family = base == 0xf ? base + ((eax >> 20) & 0xff) : base;
-    return family != 26;
-  }();
-  return into_l2;
-#else
-  return true;
-#endif
-}
 
 // The blocks (or slots of blocks) of W shared out among `threads` threads as runs, thread t's run being slots
 // slots * t / threads .. slots * (t + 1) / threads - 1: one sequential stream of W a thread. A run is taken
@@ -2781,7 +2790,7 @@ constexpr auto kKernels = make_table(std::make_integer_sequence<int, kMaxRows>{}
 // A core reads faster from several sequential streams than from one (2 threads, plain read loop over
 // 512 MB: one stream a thread 32.7 GB/s, two 34.3, four 36.2, eight 35.7, six rounds each), which counts
 // where rows are few and the weights' stream sets the time. U sets of sums per block, as in block_kernel.
-// kL2: W prefetched into L2, a single row too (see streams_into_l2).
+// kL2: W prefetched into L2, a single row too (see reads_ahead_into_l2).
 template <int S, int ROWS, int U, bool kL2>
 void block_kernel_streams(const at::BFloat16* w, int64_t step, const at::BFloat16* x, int64_t ldx,
                           int64_t pairs, const __m512* bias, at::BFloat16* y, int64_t ldy,
@@ -2841,7 +2850,7 @@ constexpr auto make_streams_table(std::integer_sequence<int, R...>) {
   return std::array<StreamsFn, sizeof...(R)>{
       &block_kernel_streams<S, R + 1, (8 + S * (R + 1) - 1) / (S * (R + 1)), kL2>...};
 }
-// Indexed by streams_into_l2(), then by rows - 1.
+// Indexed by reads_ahead_into_l2(), then by rows - 1.
 constexpr std::array kStreams4 = {
     make_streams_table<4, false>(std::make_integer_sequence<int, kFourStreamRows>{}),
     make_streams_table<4, true>(std::make_integer_sequence<int, kFourStreamRows>{})};
@@ -2907,7 +2916,7 @@ void linear_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFlo
     };
     const auto bias_of = [&](int64_t b) { return bias_block(bias, b, cols_of(b)); };
     if (m <= kTwoStreamRows) {
-      const int l2 = streams_into_l2() ? 1 : 0;
+      const int l2 = reads_ahead_into_l2() ? 1 : 0;
       const StreamsFn step = streams == 4 ? kStreams4[l2][m - 1] : kStreams2[l2][m - 1];
       runs.work(t, [&](int r, int64_t u, int64_t) {
         int64_t first, part;
@@ -3872,13 +3881,7 @@ bool has_linear_f32() {
 #endif
 }
 
-bool linear_streams_into_l2() {
-#if defined(__AVX512BF16__)
-  return streams_into_l2();
-#else
-  return false;
-#endif
-}
+bool prefetches_into_l2() { return reads_ahead_into_l2(); }
 
 // ---- a decoder's layers in one call ---------------------------------------------------------------------
 //
@@ -4283,7 +4286,7 @@ at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t si
 }
 bool has_linear() { return ::has_linear(); }
 bool has_linear_f32() { return ::has_linear_f32(); }
-bool linear_streams_into_l2() { return ::linear_streams_into_l2(); }
+bool prefetches_into_l2() { return ::prefetches_into_l2(); }
 
 // The stack of final_norm's dtype: bf16 or float32.
 class DecoderStack::Impl {

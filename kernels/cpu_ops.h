@@ -34,7 +34,7 @@ at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t si
                        const c10::optional<at::Tensor>& bias);
 bool has_linear();
 bool has_linear_f32();
-bool linear_streams_into_l2();
+bool prefetches_into_l2();
 
 // A decoder's layers run in one call (see the kernels' DecoderStack).
 class DecoderStack {
