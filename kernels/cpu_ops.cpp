@@ -907,14 +907,22 @@ inline void accumulate_group_bf16_avx512(float* acc, const float* w, int64_t w_s
                                                     53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
                                                     27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
   const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  // NOTE: the `GCC unroll` pragmas keep the sums in registers. Without them GCC unrolled the loops too, but
+  // after it had given a[][] a place on the stack, and stored every sum there after every pair of rows
+  // (`perf annotate`: the stores held a third of the kernel's samples). One sequence of 2048 positions,
+  // caches in L2, 56.9 -> 46.4 us a layer; from memory 85.5 -> 81.7; decode steps, alternating step by
+  // step, one sequence at 2048 positions and 4 at 1024 0.97x as long, 16 at 512 0.985x.
   __m512 a[kVectors][kChunks];
+#pragma GCC unroll 8
   for (int r = 0; r < kVectors; ++r)
+#pragma GCC unroll 8
     for (int c = 0; c < kChunks; ++c) a[r][c] = _mm512_loadu_ps(acc + r * 16 * kChunks + 16 * c);
   alignas(64) int32_t pairs[kVectors][8];  // a run's weights in bf16, two to an int32
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t m = std::min<int64_t>(16, n - j0);
     const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1);
     // An odd run ends with a pair whose second weight is zero (its row is read again, times zero).
+#pragma GCC unroll 8
     for (int r = 0; r < kVectors; ++r)
       _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r]),
                          (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, w + r * w_stride + j0)));
@@ -923,19 +931,24 @@ inline void accumulate_group_bf16_avx512(float* acc, const float* w, int64_t w_s
       const at::BFloat16* r1 = j + 1 < m ? r0 + stride : r0;
       ahead.step();
       __m512i v[kChunks];
+#pragma GCC unroll 8
       for (int c = 0; c < kChunks / 2; ++c) {
         const __m512i x0 = _mm512_loadu_si512(r0 + 32 * c), x1 = _mm512_loadu_si512(r1 + 32 * c);
         v[2 * c] = _mm512_permutex2var_epi16(x0, low, x1);
         v[2 * c + 1] = _mm512_permutex2var_epi16(x0, high, x1);
       }
+#pragma GCC unroll 8
       for (int r = 0; r < kVectors; ++r) {
         const __m512bh p = (__m512bh)_mm512_set1_epi32(pairs[r][j / 2]);
+#pragma GCC unroll 8
         for (int c = 0; c < kChunks; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], (__m512bh)v[c], p);
       }
     }
   }
   ahead.rest();
+#pragma GCC unroll 8
   for (int r = 0; r < kVectors; ++r)
+#pragma GCC unroll 8
     for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + r * 16 * kChunks + 16 * c, a[r][c]);
 }
 

@@ -61,21 +61,28 @@ def test_the_build_is_named_after_the_sources(tmp_path, monkeypatch, source):
 # ---- attention ------------------------------------------------------------------------------------------
 
 
-def _prefetches_by_function(library: str) -> dict[str, Counter]:
-    """The prefetch instructions in each function of a shared library, by demangled name and mnemonic
-    (objdump)."""
+def _instructions_by_function(library: str) -> dict[str, list[str]]:
+    """The instructions of each function of a shared library, by demangled name (objdump)."""
     listing = subprocess.run(
         ["objdump", "-d", "-C", "--no-show-raw-insn", library], capture_output=True, text=True, check=True
     ).stdout
-    counts: dict[str, Counter] = {}
+    functions: dict[str, list[str]] = {}
     name = ""
     for line in listing.splitlines():
         if line.endswith(">:") and " <" in line:
             name = line.split(" <", 1)[1][:-2]
-            counts[name] = Counter()
-        elif "\tprefetch" in line and name:
-            counts[name][line.split("\t")[-1].split()[0]] += 1
-    return counts
+            functions[name] = []
+        elif "\t" in line and name:
+            functions[name].append(line.split("\t")[-1])
+    return functions
+
+
+def _prefetches_by_function(library: str) -> dict[str, Counter]:
+    """The prefetch instructions in each function of a shared library, by demangled name and mnemonic."""
+    return {
+        name: Counter(i.split()[0] for i in instructions if i.startswith("prefetch"))
+        for name, instructions in _instructions_by_function(library).items()
+    }
 
 
 @pytest.mark.skipif(
@@ -112,6 +119,27 @@ def test_the_attention_kernels_keep_their_prefetches():
             # prefetch_tile_block: the next block's K and V rows; prefetch_tile: the next task's query rows
             # (read) and output rows (written).
             assert found["prefetcht0"] >= 3 and found["prefetchw"] >= 1, (kernel, found)
+
+
+@pytest.mark.skipif(
+    shutil.which("objdump") is None or platform.machine() != "x86_64",
+    reason="reads the x86-64 build with objdump",
+)
+def test_the_decode_values_kernel_keeps_its_sums_in_registers():
+    # GCC once gave accumulate_group_bf16_avx512's sums a place on the stack and stored all of them after
+    # every pair of V rows: a third of the kernel's time (see the NOTE there).
+    kernels = {
+        name: instructions
+        for name, instructions in _instructions_by_function(cpu_ops.load().__file__).items()
+        if "accumulate_group_bf16_avx512<" in name
+    }
+    if not kernels:
+        pytest.skip("no AVX-512 BF16 in this build")
+    for name, instructions in kernels.items():
+        spills = [
+            i for i in instructions if i.startswith("vmov") and "%zmm" in i.split(",")[0] and "(%rsp)" in i
+        ]
+        assert not spills, (name, spills[:4])
 
 
 def _amd_cpu_family() -> int | None:
