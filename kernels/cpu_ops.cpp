@@ -287,7 +287,8 @@ inline void prefetch_write(const void* ptr, int64_t bytes) { prefetch_lines(ptr,
 // the decode attention's shares (see FetchShare), and the lines come from L2 in time: the tiled attention,
 // 30 layers' caches from memory, alternating in one process, 15 queries after 700 cached positions (a
 // cached request's last tokens) 212 -> 147, 193 -> 145 and, blocks scattered, 229 -> 181 us a layer
-// (0.70-0.79x); 64 queries after 1936 0.78-0.91x; a 500-token prompt 0.98-1.01x.
+// (0.70-0.79x); 64 queries after 1936 0.78-0.91x; a 500-token prompt 0.98-1.01x. (Unmeasured for the
+// tiled kernel on a Zen 3, family 25 too, whose AVX2 linear and decode attention prefetch into L2 already.)
 inline bool reads_ahead_into_l2() {
 #if defined(__x86_64__)
   static const bool into_l2 = [] {
