@@ -3895,8 +3895,6 @@ bool has_linear_f32() {
 #endif
 }
 
-bool prefetches_into_l2() { return reads_ahead_into_l2(); }
-
 // ---- a decoder's layers in one call ---------------------------------------------------------------------
 //
 // The Python model calls about ten kernels per layer. Each call costs its module and wrapper code and
@@ -4300,7 +4298,7 @@ at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t si
 }
 bool has_linear() { return ::has_linear(); }
 bool has_linear_f32() { return ::has_linear_f32(); }
-bool prefetches_into_l2() { return ::prefetches_into_l2(); }
+bool prefetches_into_l2() { return reads_ahead_into_l2(); }
 
 // The stack of final_norm's dtype: bf16 or float32.
 class DecoderStack::Impl {
