@@ -1,4 +1,5 @@
-"""The KV pool: per layer one K and one V tensor [num_blocks, block_size, num_kv_heads, head_dim].
+"""The KV pool: per layer one K and one V tensor [num_blocks, block_size, num_kv_heads, head_dim], all of
+them views of one allocation.
 
 Its size is either an explicit block count or follows from a memory budget in bytes.
 """
@@ -76,8 +77,14 @@ class KVCache:
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         # NOTE: zeros, not empty: padded block-table entries may point anywhere, and garbage there
         # (NaN/Inf from uninitialised memory) must never leak into a masked-out softmax term.
-        self.k_caches = [_zeros(shape, spec.dtype, device) for _ in range(spec.num_layers)]
-        self.v_caches = [_zeros(shape, spec.dtype, device) for _ in range(spec.num_layers)]
+        # One allocation for all layers: on the CPU it lies in huge pages even where one layer's K or V is
+        # smaller than a huge page (a pool sized for a few sequences), which a tensor of its own could not.
+        # One sequence at 2048 positions, a pool of exactly its blocks (786 KB a layer) against one of
+        # 10000 blocks (in huge pages), decode steps alternating in one process: 0.978-0.986x as long; the
+        # decode attention alone, 30 layers from memory, 93.9 -> 81.2 us a layer.
+        pool = _zeros((spec.num_layers, 2, *shape), spec.dtype, device)
+        self.k_caches = [pool[layer, 0] for layer in range(spec.num_layers)]
+        self.v_caches = [pool[layer, 1] for layer in range(spec.num_layers)]
 
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
