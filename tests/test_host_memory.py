@@ -54,6 +54,20 @@ def test_a_large_tensor_lies_in_huge_pages():
 
 
 @needs_huge_pages
+def test_a_small_kv_pool_lies_in_huge_pages_too():
+    # 64 blocks: 384 KB a layer's K or V, under a huge page; the layers share one allocation that is not.
+    cache = KVCache(KVCacheSpec(30, 3, 64, 16, torch.bfloat16), 64, torch.device("cpu"))
+    for layer in cache.k_caches + cache.v_caches:
+        assert layer.shape == (64, 16, 3, 64) and layer.is_contiguous()
+        assert _mapping_of(layer.data_ptr())["AnonHugePages"] >= 2048
+    # Each layer's tensors are its own: writing one leaves every other as it was.
+    cache.k_caches[3].fill_(1)
+    assert all(
+        layer.count_nonzero() == 0 for layer in cache.k_caches[:3] + cache.k_caches[4:] + cache.v_caches
+    )
+
+
+@needs_huge_pages
 def test_the_mapping_lives_as_long_as_a_view_of_the_tensor():
     tensor = host_memory.zeros((1024, 16, 3, 64), torch.bfloat16)
     view = tensor[10:20]
@@ -90,3 +104,63 @@ def test_in_huge_pages_moves_a_large_tensor_and_leaves_a_small_one():
     assert _mapping_of(moved.data_ptr())["AnonHugePages"] >= 2048
     small = torch.randn(3, 5)
     assert host_memory.in_huge_pages(small) is small
+
+
+@needs_huge_pages
+def test_an_arena_places_copies_side_by_side_in_huge_pages():
+    arena = host_memory.Arena(chunk_bytes=2 * host_memory.HUGE_PAGE)  # 4 MB mappings
+    gen = torch.Generator().manual_seed(0)
+    sources = [
+        torch.randn(rows, 576, generator=gen).to(dtype)
+        for rows, dtype in [
+            (576, torch.bfloat16),
+            (1000, torch.float32),
+            (3, torch.bfloat16),
+            (1536, torch.bfloat16),
+        ]
+    ]
+    placed = [arena.copy(t) for t in sources]
+    for source, copy in zip(sources, placed, strict=True):
+        assert copy.shape == source.shape and copy.dtype == source.dtype and torch.equal(copy, source)
+        assert copy.data_ptr() % host_memory.Arena.ALIGN == 0 and copy.data_ptr() != source.data_ptr()
+        assert _mapping_of(copy.data_ptr())["AnonHugePages"] >= 2048
+    # 648 KB, 2.3 MB and 3 KB share the first mapping, one after another; 1.8 MB more would not fit.
+    spans = [(c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()) for c in placed]
+    assert spans[0][1] <= spans[1][0] and spans[1][1] <= spans[2][0]
+    assert spans[2][1] - spans[0][0] < 2 * host_memory.HUGE_PAGE
+    assert not spans[0][0] <= spans[3][0] < spans[0][0] + 2 * host_memory.HUGE_PAGE
+    placed[0].fill_(0)  # the copies are the arena's own
+    assert torch.equal(placed[1], sources[1]) and torch.equal(placed[2], sources[2])
+    # Larger than a mapping: one of its own.
+    large = torch.randn(2 << 20, generator=gen)  # 8 MB
+    assert torch.equal(arena.copy(large), large)
+
+
+@needs_huge_pages
+def test_a_packed_models_weights_all_lie_in_huge_pages():
+    from pagedserve.worker_svc.model import CausalLM, ModelConfig, PackedLinear, can_pack_linears
+
+    if not can_pack_linears(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no packed linears on this CPU")
+    # SmolLM2-135M's widths, two layers: its qkv, o and down weights are each under a huge page.
+    config = ModelConfig.from_hf_config(
+        dict(
+            model_type="llama",
+            vocab_size=4096,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=2,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            tie_word_embeddings=True,
+        )
+    )
+    model = CausalLM(config, torch.bfloat16, "cpu")
+    for parameter in model.parameters():
+        parameter.data.normal_()
+    model.pack_linears()
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(linears) == 2 * 4 + 1 and model.tied_head in linears
+    for linear in linears:
+        if linear.kernels is not None:  # oneDNN's layout where the kernels have no linear
+            assert _mapping_of(linear.weight.data_ptr())["AnonHugePages"] >= 2048, linear

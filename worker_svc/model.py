@@ -210,14 +210,22 @@ class PackedLinear(nn.Module):
     23.1 / 40.3, 2 rows 24.9 / 69.3, 8 rows 31.9 / 82.7, 16 rows 39.0 / 102.2, 48 rows 83.5 / 171.0; the
     30 layers' alone over 2048 prompt rows about even (3224 and 3624 / 3329 and 3514)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Any = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernels: Any = None,
+        arena: host_memory.Arena | None = None,
+    ) -> None:
         super().__init__()
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
         self.kernels = kernels
         if kernels is not None:
-            # [N / 16, K / 2, 16, 2], padded; in huge pages, as decode streams it every step (see host_memory)
-            packed = host_memory.in_huge_pages(kernels.pack_linear_weight(weight))
+            # [N / 16, K / 2, 16, 2], padded; in huge pages, as decode streams it every step (see host_memory):
+            # in `arena`, beside the model's other weights, else in a mapping of its own
+            packed = kernels.pack_linear_weight(weight)
+            packed = host_memory.in_huge_pages(packed) if arena is None else arena.copy(packed)
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # 1: decode's batch size
         self.weight = nn.Parameter(packed, requires_grad=False)
@@ -426,12 +434,13 @@ class CausalLM(nn.Module):
         A tied head gets a packed copy of the embedding matrix, tied_head (the lookup needs the plain one)."""
         assert can_pack_linears(self.dtype, self.device), (self.dtype, self.device)
         kernels = get_ops(self.device).linear_kernels(self.dtype)
+        arena = host_memory.Arena()
         for module in self.modules():
             for name, child in module.named_children():
                 if type(child) is nn.Linear:
-                    setattr(module, name, PackedLinear(child.weight, child.bias, kernels))
+                    setattr(module, name, PackedLinear(child.weight, child.bias, kernels, arena))
         if self.lm_head is None:
-            self.tied_head = PackedLinear(self.embed_tokens.weight, None, kernels)
+            self.tied_head = PackedLinear(self.embed_tokens.weight, None, kernels, arena)
         if kernels is not None:
             self.stack = self._build_stack()
 
