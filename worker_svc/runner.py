@@ -102,12 +102,12 @@ class ModelRunner:
         if batch is not None:
             input_ids, positions, attn = self._model_inputs(batch)
             sample_idx, prompt_rows = self._logits_rows(batch)
-            rows = np.concatenate([batch.query_start_loc[1:][sample_idx] - 1, *(r for _, r in prompt_rows)])
             # The model returns the final states of these rows alone; sample rows alone come in order, and
             # all of them (a decode step) are every row.
             output_rows = None
-            if prompt_rows or len(rows) != batch.num_tokens:
-                output_rows = _tensor(rows, torch.int64, self.device)
+            if prompt_rows or len(sample_idx) != batch.num_tokens:
+                rows = [batch.query_start_loc[1:][sample_idx] - 1, *(r for _, r in prompt_rows)]
+                output_rows = _tensor(np.concatenate(rows), torch.int64, self.device)
             t1 = time.perf_counter()
             hidden = self.model(input_ids, positions, attn, self._kv_layers, output_rows)
             logits = self.model.compute_logits(hidden)
@@ -308,10 +308,13 @@ class ModelRunner:
         return _Batch(slots, num_scheduled, start, query_start_loc, int(query_start_loc[-1]))
 
     def _model_inputs(self, b: _Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        # Per token: which batch row (sequence) it belongs to and its position in that sequence.
-        seq_of_token = np.repeat(np.arange(len(b.slots)), b.num_scheduled)
-        positions = b.start[seq_of_token] + (np.arange(b.num_tokens) - b.query_start_loc[seq_of_token])
-        slot_of_token = b.slots[seq_of_token]
+        # Per token: its position in its sequence, and the sequence's slot.
+        if b.num_tokens == len(b.slots):  # a decode step: each sequence's one token at its next position
+            positions, slot_of_token = b.start, b.slots
+        else:
+            seq_of_token = np.repeat(np.arange(len(b.slots)), b.num_scheduled)
+            positions = b.start[seq_of_token] + (np.arange(b.num_tokens) - b.query_start_loc[seq_of_token])
+            slot_of_token = b.slots[seq_of_token]
         input_ids = self.token_ids[slot_of_token, positions]
         block_of_token = self.block_tables[slot_of_token, positions // self.block_size].astype(np.int64)
         slot_mapping = block_of_token * self.block_size + positions % self.block_size
@@ -373,8 +376,9 @@ class ModelRunner:
         result.sampled_slots.extend(slots)
         result.sampled_token_ids.extend(token_ids)
         # NOTE: left empty when no slot of the step asked for logprobs (the scheduler reads them only then).
-        result.sampled_logprobs.extend(out.logprobs.tolist())
-        result.sampled_ranks.extend(out.ranks.tolist())
+        if meta.any_logprobs:
+            result.sampled_logprobs.extend(out.logprobs.tolist())
+            result.sampled_ranks.extend(out.ranks.tolist())
         if meta.max_num_logprobs:
             top_ids, top_logprobs = out.top_ids.tolist(), out.top_logprobs.tolist()
             for row, state in enumerate(states):
