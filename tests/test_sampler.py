@@ -482,3 +482,33 @@ def test_filters_and_logprobs_on_cuda_match_the_cpu_definition():
     expected = torch.log_softmax(logits, dim=-1)
     torch.testing.assert_close(out.logprobs.cpu(), expected.gather(1, out.token_ids.cpu()[:, None])[:, 0])
     torch.testing.assert_close(out.top_logprobs.cpu(), expected.topk(3, dim=-1).values)
+
+
+@pytest.mark.parametrize(
+    ("extra", "argmax_only"),
+    [
+        ({}, True),
+        ({"logprobs": 0}, False),
+        ({"logit_bias": {3: 100.0}}, False),
+        ({"repetition_penalty": 1.2}, False),
+        ({"frequency_penalty": 0.5}, False),
+        ({"temperature": 0.7}, False),
+    ],
+)
+def test_a_batch_of_argmax_rows_takes_the_argmax_and_nothing_else(extra, argmax_only):
+    # Such a batch skips the metadata's passes over its rows; any row that needs more takes them all.
+    states = [SlotSamplingState(temperature=0.0), SlotSamplingState(**{"temperature": 0.0, **extra})]
+    assert [s.argmax_only for s in states] == [True, argmax_only]
+    meta = SamplingMetadata.build(states, VOCAB)
+    assert (meta.all_greedy and meta.no_penalties and meta.logit_bias is None and not meta.any_logprobs) == (
+        argmax_only
+    )
+    logits = torch.stack([step_logits(1, 0), step_logits(2, 0)])
+    out = Sampler(VOCAB, seed=0)(logits, meta)
+    assert out.token_ids[0] == logits[0].argmax()
+    if argmax_only:
+        assert torch.equal(out.token_ids, logits.argmax(dim=-1)) and out.logprobs.numel() == 0
+    if "logit_bias" in extra:
+        assert out.token_ids[1] == 3
+    if "logprobs" in extra:
+        assert out.logprobs.shape == (2,) and out.ranks.tolist()[0] == 1
