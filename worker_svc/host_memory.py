@@ -90,8 +90,6 @@ class Arena:
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         assert tensor.is_contiguous() and tensor.device.type == "cpu"
-        if not huge_pages_available():
-            return tensor
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > self.chunk_bytes:
             return in_huge_pages(tensor)

@@ -323,7 +323,7 @@ class Sampler:
         self.device = torch.device(device)
         self.argmax = get_ops(self.device).argmax  # torch.argmax over rows, the CPU kernels' faster
         # What a step without logprobs returns beside its tokens (see SamplerOutput), made once.
-        empty = torch.empty(0, device=self.device)
+        empty = torch.empty(0, dtype=torch.float32, device=self.device)  # the logits' dtype
         self._no_logprobs = (empty, empty.long(), empty.long().view(0, 0), empty.view(0, 0))
         # Draws of rows without a seed.
         self.generator = torch.Generator(device=self.device)
