@@ -194,11 +194,27 @@ inline float round_to(float x) {
   return static_cast<float>(static_cast<T>(x));
 }
 
+// A KV cache is [num_blocks, block_size, num_kv_heads, head_dim], in one of two layouts, each block's
+// elements together: token-major (contiguous: a position's kv heads side by side) or head-major (a view of a
+// contiguous [num_blocks, num_kv_heads, block_size, head_dim]: a kv head's rows of a block side by side,
+// which the CPU pool uses, see worker_svc/kv_cache.py). The kernels read either through the strides.
+bool is_cache_layout(const at::Tensor& cache) {
+  if (cache.dim() != 4) return false;
+  const int64_t block_size = cache.size(1), heads = cache.size(2), head_dim = cache.size(3);
+  const bool token_major = cache.stride(1) == heads * head_dim && cache.stride(2) == head_dim;
+  const bool head_major = cache.stride(1) == head_dim && cache.stride(2) == block_size * head_dim;
+  return cache.stride(3) == 1 && cache.stride(0) == block_size * heads * head_dim &&
+         (token_major || head_major);
+}
+
 void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim]");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache ", v_cache.sizes(), " != k_cache ",
               k_cache.sizes());
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  TORCH_CHECK(is_cache_layout(k_cache) && v_cache.strides() == k_cache.strides(),
+              "the KV cache must be contiguous, or a view of a contiguous [num_blocks, num_kv_heads, "
+              "block_size, head_dim] tensor (strides ",
+              k_cache.strides(), " and ", v_cache.strides(), ")");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k_cache and v_cache differ in dtype");
 }
 
@@ -1036,10 +1052,15 @@ struct RowTask {
 
 // One task is one chunk of rows, for a range of kv heads, against one part of its sequence's context (see
 // RowTask): the query heads score every position of the part their row sees (up to its own position), reading
-// K and V in place, block by block through the sequence's block table. A block holds all kv heads of a slot
-// side by side, so a task streams through each block front to back while the next one is prefetched. Two
-// passes: scores (kept: rows x heads x positions floats), then softmax and the weighted sum of V rows. Tasks
-// are handed out dynamically: chunks see contexts of different lengths.
+// K and V in place, block by block through the sequence's block table, while the next one is prefetched. A
+// block's elements lie together in either layout (see check_cache); head-major, as the CPU pool is, a task
+// streams through each block front to back, one kv head's rows after another, where token-major it reads the
+// block in a strided pass per kv head (SmolLM2: 16 runs of 128 bytes, 384 apart). Decode steps, two runners
+// over one model alternating step by step (2-core Zen 4), head-major over token-major: one sequence at 2048
+// positions 0.965x as long, at 512 0.975x, 16 sequences at 512 0.968x, 4 at 1024 0.988x; the tiled kernel
+// (30 layers from memory) even, with the same bits. Two passes: scores (kept: rows x heads x positions
+// floats), then softmax and the weighted sum of V rows. Tasks are handed out dynamically: chunks see contexts
+// of different lengths.
 
 // The geometry and data of one attention call, as both attention kernels read them.
 template <typename T>
@@ -1055,7 +1076,9 @@ struct AttentionArgs {
         table_stride(block_tables.stride(0)),
         q_stride(query.stride(0)),
         out_stride(out.stride(0)),
-        slot_stride(num_kv_heads * head_dim),
+        row_stride(k_cache.stride(1)),
+        head_stride(k_cache.stride(2)),
+        block_stride(k_cache.stride(0)),
         q_ptr(query.data_ptr<T>()),
         k_ptr(k_cache.data_ptr<T>()),
         v_ptr(v_cache.data_ptr<T>()),
@@ -1064,7 +1087,9 @@ struct AttentionArgs {
         fscale(static_cast<float>(scale)) {}
   const int64_t head_dim, num_blocks, block_size, num_kv_heads, group, table_width, table_stride, q_stride,
       out_stride;
-  const int64_t slot_stride;  // elements between consecutive slots
+  // Elements between a kv head's rows of consecutive positions, between a position's consecutive kv heads,
+  // and between blocks (see check_cache: every block's elements lie together).
+  const int64_t row_stride, head_stride, block_stride;
   const T* q_ptr;
   const T* k_ptr;
   const T* v_ptr;
@@ -1097,7 +1122,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
                           const at::Tensor& block_tables, const std::vector<RowChunk>& chunks, double scale,
                           at::Tensor& out) {
   const AttentionArgs<T> a(query, k_cache, v_cache, block_tables, scale, out);
-  const int64_t block_bytes = a.block_size * a.slot_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t block_bytes = a.block_stride * static_cast<int64_t>(sizeof(T));
   const int threads = std::max(1, at::get_num_threads());
   const int64_t num_chunks = static_cast<int64_t>(chunks.size()), num_heads = a.num_kv_heads * a.group;
   const auto used_blocks = [&](const RowChunk& c) {
@@ -1162,7 +1187,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
     // and zeroing them every time cost about 2 us a call.
     thread_local std::vector<float> q, tile, acc, inv_sum, scores;
     q.resize(std::max<size_t>(q.size(), max_q * a.head_dim));
-    tile.resize(std::max<size_t>(tile.size(), a.block_size * a.slot_stride));
+    tile.resize(std::max<size_t>(tile.size(), a.block_size * a.num_kv_heads * a.head_dim));
     acc.resize(std::max<size_t>(acc.size(), max_q * a.head_dim));
     inv_sum.resize(std::max<size_t>(inv_sum.size(), max_q));
 #pragma omp for schedule(dynamic, 1)
@@ -1185,7 +1210,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       // Walks the part's blocks of one cache: widens each block's rows into tile when asked, then calls
       // visit(v, rows, raw, first, n) for every row that sees n > 0 of the block's positions and every kv
       // head: v is the first of the head's group of query vectors (the group is v .. v + group - 1), rows
-      // the head's rows in the tile, raw the same rows in the cache (slot_stride apart), first the block's
+      // the head's rows in the tile, raw the same rows in the cache (row_stride apart), first the block's
       // first position. The block kFetchAhead on (past the last ones, `then`'s first: the V walk follows
       // the K walk) is prefetched a slice a visit, which keeps the memory busy while the block is computed
       // (48 sequences of 300 positions, scattered blocks: 0.70 -> 0.59 ms a layer against one prefetch of
@@ -1198,7 +1223,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
           cache = then, b = tk.b0 + (b - tk.b1);
         }
         if (b >= tk.b1 || !a.valid_block(table[b], b)) return nullptr;
-        return reinterpret_cast<const char*>(cache + table[b] * a.block_size * a.slot_stride);
+        return reinterpret_cast<const char*>(cache + table[b] * a.block_stride);
       };
       const auto walk = [&](const T* cache, const T* then, bool widen, auto&& visit) {
         for (int64_t b = tk.b0; b < tk.b1; ++b) {
@@ -1216,15 +1241,18 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
           const int64_t visits = (c.len - i0) * (tk.h1 - tk.h0);
           const int64_t slice = (block_bytes / 64 + visits - 1) / visits * 64;
           int64_t fetched = 0;
-          const T* raw = cache + block * a.block_size * a.slot_stride + tk.h0 * a.head_dim;
+          const T* raw = cache + block * a.block_stride + tk.h0 * a.head_stride;
           if (widen)
-            for (int64_t j = 0; j < end; ++j) load_row(raw + j * a.slot_stride, &tile[j * width], width);
+            for (int64_t j = 0; j < end; ++j)
+              for (int64_t kh = 0; kh < tk.h1 - tk.h0; ++kh)
+                load_row(raw + j * a.row_stride + kh * a.head_stride, &tile[j * width + kh * a.head_dim],
+                         a.head_dim);
           for (int64_t i = i0; i < c.len; ++i) {
             const int64_t n = std::min(end, c.pos0 + i + 1 - first);  // positions of this block row i sees
             for (int64_t kh = 0; kh < tk.h1 - tk.h0; ++kh) {
               const int64_t fetch =
                   ahead != nullptr ? std::max<int64_t>(0, std::min(slice, block_bytes - fetched)) : 0;
-              visit(i * nq + kh * a.group, &tile[kh * a.head_dim], raw + kh * a.head_dim, first - k0, n,
+              visit(i * nq + kh * a.group, &tile[kh * a.head_dim], raw + kh * a.head_stride, first - k0, n,
                     ahead == nullptr ? nullptr : ahead + fetched, fetch);
               fetched += fetch;
             }
@@ -1239,7 +1267,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
             if constexpr (kInPlaceType) {
               if (in_place) {
-                return group_scores(&q[v0 * a.head_dim], a.group, a.head_dim, k_raw, a.slot_stride, n,
+                return group_scores(&q[v0 * a.head_dim], a.group, a.head_dim, k_raw, a.row_stride, n,
                                     &scores[v0 * part_len + first], part_len, fetch, fetch_bytes);
               }
             }
@@ -1251,7 +1279,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
               if (raw_scores && a.head_dim == 64) {  // the group's vectors (one row's heads) side by side
                 const T* q_raw =
                     a.q_ptr + (c.row0 + v0 / nq) * a.q_stride + (tk.h0 * a.group + v0 % nq) * a.head_dim;
-                return group_scores_bf16_64(q_raw, a.group, k_raw, a.slot_stride, n, a.fscale,
+                return group_scores_bf16_64(q_raw, a.group, k_raw, a.row_stride, n, a.fscale,
                                             &scores[v0 * part_len + first], part_len, fetch, fetch_bytes);
               }
             }
@@ -1262,7 +1290,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
                 if (raw_scores) {
                   const T* q_raw =
                       a.q_ptr + (c.row0 + v / nq) * a.q_stride + (tk.h0 * a.group + v % nq) * a.head_dim;
-                  block_scores_bf16(q_raw, k_raw, a.slot_stride, n, a.head_dim, a.fscale,
+                  block_scores_bf16(q_raw, k_raw, a.row_stride, n, a.head_dim, a.fscale,
                                     &scores[v * part_len + first], fetch, fetch_bytes);
                   fetch_bytes = 0;  // the first vector brings the share
                   continue;
@@ -1302,7 +1330,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
              if constexpr (kInPlaceType) {
                if (in_place) {
                  return group_values(&sums[v0 * a.head_dim], a.group, a.head_dim,
-                                     &scores[v0 * part_len + first], part_len, v_raw, a.slot_stride, n, fetch,
+                                     &scores[v0 * part_len + first], part_len, v_raw, a.row_stride, n, fetch,
                                      fetch_bytes);
                }
              }
@@ -1313,7 +1341,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
              if constexpr (std::is_same_v<T, c10::BFloat16>) {
                if (raw_values) {
                  accumulate_group_bf16(&sums[v0 * a.head_dim], &scores[v0 * part_len + first], part_len,
-                                       a.group, v_raw, a.slot_stride, n, a.head_dim, fetch, fetch_bytes);
+                                       a.group, v_raw, a.row_stride, n, a.head_dim, fetch, fetch_bytes);
                  return;
                }
              }
@@ -1443,17 +1471,17 @@ int64_t tile_lanes(const AttentionArgs<T>& a, const QueryTile& t, int32_t* limit
   return lanes;
 }
 
-// Block `block`'s K and V rows of one kv head (slot_stride apart), on their way while the block before it
+// Block `block`'s K and V rows of one kv head (row_stride apart), on their way while the block before it
 // is computed: it lies anywhere in the pool. Always inlined, as prefetch_tile: each tiled kernel carries its
 // own prefetches (a test reads them there).
 template <typename T>
 __attribute__((always_inline)) inline void prefetch_tile_block(const AttentionArgs<T>& a, int64_t block,
                                                                int64_t kv_head) {
-  const int64_t at = block * a.block_size * a.slot_stride + kv_head * a.head_dim;
+  const int64_t at = block * a.block_stride + kv_head * a.head_stride;
   const Fetch kind = reads_ahead_into_l2() ? Fetch::kReadL2 : Fetch::kRead;
   for (int64_t j = 0; j < a.block_size; ++j) {
-    prefetch_lines(a.k_ptr + at + j * a.slot_stride, a.head_dim * sizeof(T), kind);
-    prefetch_lines(a.v_ptr + at + j * a.slot_stride, a.head_dim * sizeof(T), kind);
+    prefetch_lines(a.k_ptr + at + j * a.row_stride, a.head_dim * sizeof(T), kind);
+    prefetch_lines(a.v_ptr + at + j * a.row_stride, a.head_dim * sizeof(T), kind);
   }
 }
 
@@ -1474,7 +1502,7 @@ bool for_tile_blocks(const AttentionArgs<T>& a, const QueryTile& t, BadBlock& ba
     const int64_t first = b * a.block_size, n = std::min(a.block_size, last + 1 - first);
     if (b + 1 < used_blocks && a.valid_block(table[b + 1], b + 1))
       prefetch_tile_block(a, table[b + 1], t.kv_head);
-    const int64_t at = block * a.block_size * a.slot_stride + t.kv_head * a.head_dim;
+    const int64_t at = block * a.block_stride + t.kv_head * a.head_stride;
     visit(first, n, a.k_ptr + at, a.v_ptr + at);
   }
   return true;
@@ -1596,8 +1624,8 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       const auto visit = [&](int64_t first, int64_t n, const T* k_block, const T* v_block) {
         if constexpr (!kPairs)
           for (int64_t j = 0; j < n; ++j) {
-            load_row(k_block + j * a.slot_stride, &kb[j * a.head_dim], a.head_dim);
-            load_row(v_block + j * a.slot_stride, &vb[j * a.head_dim], a.head_dim);
+            load_row(k_block + j * a.row_stride, &kb[j * a.head_dim], a.head_dim);
+            load_row(v_block + j * a.row_stride, &vb[j * a.head_dim], a.head_dim);
           }
         // Scores of kTilePositions positions for all lanes; positions a lane must not see become -inf (none
         // can be in a block that ends by the first lane's position), and the new running max.
@@ -1617,7 +1645,7 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 #if defined(__AVX512BF16__)
             const T* k_rows[kTilePositions];
             for (int64_t j = 0; j < kTilePositions; ++j)
-              k_rows[j] = k_block + (j0 + std::min(j, m - 1)) * a.slot_stride;
+              k_rows[j] = k_block + (j0 + std::min(j, m - 1)) * a.row_stride;
             for (int64_t d = 0; d < a.head_dim; d += 2) {
               __m512bh q[R];
 #pragma GCC unroll 4
@@ -1701,11 +1729,11 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
               _mm512_storeu_si512(&pp[jp * kTileLanes + 16 * r],
                                   _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
             }
-            const T* r0 = v_block + j * a.slot_stride;
+            const T* r0 = v_block + j * a.row_stride;
             for (int64_t d = 0; d < a.head_dim; d += 16) {
               const __m256i row0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + d));
               const __m256i row1 =
-                  second ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + a.slot_stride + d))
+                  second ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + a.row_stride + d))
                          : _mm256_setzero_si256();
               _mm512_storeu_si512(&vp[jp * a.head_dim + d],
                                   _mm512_permutexvar_epi16(
@@ -1970,8 +1998,8 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
       // One block of the task's sequence (see for_tile_blocks).
       const auto visit = [&](int64_t first, int64_t n, const T* k_block, const T* v_block) {
         for (int64_t j = 0; j < n; ++j) {
-          load_row(k_block + j * a.slot_stride, &kb[j * a.head_dim], a.head_dim);
-          load_row(v_block + j * a.slot_stride, &vb[j * a.head_dim], a.head_dim);
+          load_row(k_block + j * a.row_stride, &kb[j * a.head_dim], a.head_dim);
+          load_row(v_block + j * a.row_stride, &vb[j * a.head_dim], a.head_dim);
         }
         // Positions a lane must not see become -inf (none can be in a block that ends by the first lane's
         // position).
@@ -2452,10 +2480,12 @@ void copy_blocks_(const std::vector<at::Tensor>& caches, const at::Tensor& src, 
   const int64_t* from = s.data_ptr<int64_t>();
   const int64_t* to = d.data_ptr<int64_t>();
   if (caches.empty() || s.numel() == 0) return;
+  // Each block a run of memory: a contiguous cache, or one of check_cache's layouts.
   for (const at::Tensor& cache : caches)
-    TORCH_CHECK(cache.is_contiguous() && cache.dim() >= 1 && cache.sizes() == caches[0].sizes() &&
+    TORCH_CHECK((cache.is_contiguous() || is_cache_layout(cache)) && cache.dim() >= 1 &&
+                    cache.sizes() == caches[0].sizes() && cache.strides() == caches[0].strides() &&
                     cache.scalar_type() == caches[0].scalar_type(),
-                "the caches must be contiguous and alike");
+                "the caches must be alike, each contiguous or a KV cache (see check_cache)");
   const int64_t num_blocks = caches[0].size(0);  // the same in every cache, as just checked
   for (int64_t i = 0; i < s.numel(); ++i)
     TORCH_CHECK(from[i] >= 0 && from[i] < num_blocks && to[i] >= 0 && to[i] < num_blocks, "copy ", from[i],
@@ -2480,8 +2510,13 @@ void rotary_write_kv_impl(at::Tensor& qk, const at::Tensor& v, const at::Tensor&
                           at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
   const int64_t num_tokens = qk.size(0), heads = qk.size(1), head_dim = qk.size(2), half = head_dim / 2;
   const int64_t num_kv_heads = v.size(1), num_heads = heads - num_kv_heads;
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  const int64_t row = num_kv_heads * head_dim;
+  const int64_t block_size = k_cache.size(1), num_slots = k_cache.size(0) * block_size;
+  // Where slot dst's kv head h lies in the cache (either layout, see check_cache).
+  const int64_t block_stride = k_cache.stride(0), row_stride = k_cache.stride(1),
+                head_stride = k_cache.stride(2);
+  const auto at_slot = [&](int64_t dst) {
+    return dst / block_size * block_stride + dst % block_size * row_stride;
+  };
   T* qk_ptr = qk.data_ptr<T>();
   const T* v_ptr = v.data_ptr<T>();
   const T* cos_ptr = cos.data_ptr<T>();
@@ -2507,10 +2542,11 @@ void rotary_write_kv_impl(at::Tensor& qk, const at::Tensor& v, const at::Tensor&
     // random slots of a 1.9 GB cache took 43-45 us instead of 67-75 (1024 rows: 293 instead of 442).
     for (int64_t t = begin; t < end; ++t) {
       const int64_t dst = slot[t];
-      if (dst >= 0 && dst < num_slots) {
-        prefetch_write(kc + dst * row, row * static_cast<int64_t>(sizeof(T)));
-        prefetch_write(vc + dst * row, row * static_cast<int64_t>(sizeof(T)));
-      }
+      if (dst >= 0 && dst < num_slots)
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          prefetch_write(kc + at_slot(dst) + h * head_stride, head_dim * static_cast<int64_t>(sizeof(T)));
+          prefetch_write(vc + at_slot(dst) + h * head_stride, head_dim * static_cast<int64_t>(sizeof(T)));
+        }
     }
     for (int64_t t = begin; t < end; ++t) {
       load_row(cos_ptr + t * cos.stride(0), c.data(), head_dim);
@@ -2563,8 +2599,10 @@ void rotary_write_kv_impl(at::Tensor& qk, const at::Tensor& v, const at::Tensor&
       }
       const T* k_row = qk_ptr + t * qk.stride(0) + num_heads * head_dim;
       const T* v_row = v_ptr + t * v.stride(0);
-      std::copy(k_row, k_row + row, kc + dst * row);
-      std::copy(v_row, v_row + row, vc + dst * row);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        std::copy(k_row + h * head_dim, k_row + (h + 1) * head_dim, kc + at_slot(dst) + h * head_stride);
+        std::copy(v_row + h * head_dim, v_row + (h + 1) * head_dim, vc + at_slot(dst) + h * head_stride);
+      }
     }
   });
   TORCH_CHECK(bad_slot.load() < 0, "slot ", bad_slot.load(), " is outside the cache (", num_slots, " slots)");

@@ -2,15 +2,16 @@
 production path on CPU.
 
 Cache layout per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; a slot is
-block_id * block_size + offset_in_block. Attention gathers each sequence's K/V through its block table
-into a dense [.., num_kv_heads, ctx, head_dim] tensor and runs dense attention over it; that copy is
-the price of staying in stock PyTorch.
+block_id * block_size + offset_in_block. The ops index the caches by that shape, so any strides do (the
+CPU pool's tensors are views of a head-major allocation, see worker_svc/kv_cache.py). Attention gathers
+each sequence's K/V blocks through its block table into a dense [.., num_kv_heads, ctx, head_dim] tensor
+and runs dense attention over it; that copy is the price of staying in stock PyTorch.
 
 Positions at or beyond a sequence's context length must not reach the output: garbage there (e.g. NaN
-in a recycled block) would do so through 0 * NaN in probs @ V. Prefill redirects their gather index to
-the sequence's first slot (always valid, since a sequence attends to at least itself); decode gathers
-whole blocks, so it zeroes their V rows instead. Either way their score is masked to -inf, and block
-table entries past a sequence's last block are never dereferenced.
+in a recycled block) would do so through 0 * NaN in probs @ V. Prefill keeps only the first ctx positions
+of the blocks it gathers; decode gathers whole blocks for the batch's longest context, so it zeroes the
+V rows past each sequence's length and masks their scores to -inf. Block table entries past a sequence's
+last block are never dereferenced.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def write_kv(
 ) -> None:
     num_kv_heads, head_dim = k_cache.shape[2:]
     assert key.shape == value.shape and key.shape[1:] == (num_kv_heads, head_dim), (key.shape, k_cache.shape)
-    assert v_cache.shape == k_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert v_cache.shape == k_cache.shape
     assert slot_mapping.shape == (key.shape[0],), (slot_mapping.shape, key.shape)
     if slot_mapping.numel() == 0:
         return
@@ -38,31 +39,11 @@ def write_kv(
     if int(slots.min()) < 0:  # padding tokens: skipped, their slots stay untouched
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
-
-
-def _slots(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, max_ctx: int):
-    """[S, max_ctx] slot of every position, and [S, max_ctx] whether the position is inside the context.
-    Positions outside it point at the sequence's first slot (see the module docstring)."""
-    assert block_tables.shape[1] * block_size >= max_ctx, (block_tables.shape, block_size, max_ctx)
-    pos = torch.arange(max_ctx, device=block_tables.device)
-    valid = pos < context_lens.to(torch.int64).unsqueeze(1)
-    num_blocks_used = (max_ctx + block_size - 1) // block_size
-    tables = block_tables[:, :num_blocks_used].to(torch.int64)
-    slots = tables[:, pos // block_size] * block_size + pos % block_size
-    slots = torch.where(valid, slots, slots[:, :1])
-    return slots, valid
-
-
-def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """cache rows at slots [S, L] -> [S, num_kv_heads, L, head_dim], contiguous in that order (what the
-    attention matmuls want), so it is built by one index_select over (slot, kv head) rows."""
-    _, _, num_kv_heads, head_dim = cache.shape
-    heads = torch.arange(num_kv_heads, device=slots.device).unsqueeze(1)
-    rows = slots.unsqueeze(1) * num_kv_heads + heads  # [S, Hkv, L]
-    out = cache.view(-1, head_dim).index_select(0, rows.flatten()).view(*rows.shape, head_dim)
-    return out.to(dtype)
+    # Indexed by (block, offset), so that any layout of the cache's strides takes the rows (see the module
+    # docstring).
+    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
 
 
 def _compute_dtype(query: torch.Tensor) -> torch.dtype:
@@ -143,9 +124,12 @@ def _decode(query, k_cache, v_cache, block_tables, context_lens, scale, max_ctx,
     return out.view(batch, num_heads, head_dim).to(query.dtype)
 
 
-def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """cache blocks at tables [S, N] -> [S, num_kv_heads, N * block_size, head_dim] in dtype, contiguous in
-    that order (what the attention matmuls want).
+def _gather_blocks(
+    cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype, length: int | None = None
+) -> torch.Tensor:
+    """cache blocks at tables [S, N] -> [S, num_kv_heads, length, head_dim] in dtype (the first `length`
+    positions of the blocks, default all N * block_size), contiguous in that order (what the attention
+    matmuls want).
 
     NOTE: whole blocks are gathered (block_size times fewer indices than gathering slot rows, and each
     a contiguous run of block_size * num_kv_heads * head_dim elements); the head-major transpose and the
@@ -153,9 +137,10 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype
     batch 1 x ctx 512 0.240 -> 0.204 ms, batch 16 x ctx 2048 12.7 -> 10.3 ms per call."""
     num_seqs, n = tables.shape
     _, block_size, num_kv_heads, head_dim = cache.shape
+    length = n * block_size if length is None else length
     blocks = cache.index_select(0, tables.flatten()).view(num_seqs, n * block_size, num_kv_heads, head_dim)
-    out = torch.empty(num_seqs, num_kv_heads, n * block_size, head_dim, dtype=dtype, device=cache.device)
-    return out.copy_(blocks.transpose(1, 2))
+    out = torch.empty(num_seqs, num_kv_heads, length, head_dim, dtype=dtype, device=cache.device)
+    return out.copy_(blocks[:, :length].transpose(1, 2))
 
 
 def paged_prefill_attention(
@@ -211,10 +196,9 @@ def prefill_sequence(
     assert q_len <= ctx, (q_len, ctx)
     dtype = _compute_dtype(query)
     group = num_heads // num_kv_heads
-    context_len = torch.tensor([ctx], device=block_table.device)
-    slots, _ = _slots(block_table.unsqueeze(0), context_len, block_size, ctx)
-    k = _gather(k_cache, slots, dtype)  # [1, Hkv, ctx, D]
-    v = _gather(v_cache, slots, dtype)
+    tables = block_table[: -(-ctx // block_size)].to(torch.int64).unsqueeze(0)
+    k = _gather_blocks(k_cache, tables, dtype, ctx)  # [1, Hkv, ctx, D]
+    v = _gather_blocks(v_cache, tables, dtype, ctx)
     q = query.to(dtype)
     if q_len == ctx:
         # A whole prompt: plain causal attention, where SDPA skips the masked half (about 2x faster

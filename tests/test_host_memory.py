@@ -58,7 +58,8 @@ def test_a_small_kv_pool_lies_in_huge_pages_too():
     # 64 blocks: 384 KB a layer's K or V, under a huge page; the layers share one allocation that is not.
     cache = KVCache(KVCacheSpec(30, 3, 64, 16, torch.bfloat16), 64, torch.device("cpu"))
     for layer in cache.k_caches + cache.v_caches:
-        assert layer.shape == (64, 16, 3, 64) and layer.is_contiguous()
+        # [num_blocks, block_size, num_kv_heads, head_dim], each block head-major (see KVCache).
+        assert layer.shape == (64, 16, 3, 64) and layer.transpose(1, 2).is_contiguous()
         assert _mapping_of(layer.data_ptr())["AnonHugePages"] >= 2048
     # Each layer's tensors are its own: writing one leaves every other as it was.
     cache.k_caches[3].fill_(1)

@@ -21,12 +21,14 @@ import torch
 from test_kernels_reference import (
     COPY_CASES,
     DECODE_PARAMS,
+    LAYOUTS,
     PREFILL_PARAMS,
     Case,
     assert_matches_oracle,
     check_copy_blocks_in_order,
     check_decode_against_oracle,
     check_mixed_prefill_against_oracle,
+    nan_cache,
     oracle,
 )
 from test_model import FAMILIES, VOCAB, PagedCache, _hf_logits, _save_tiny_hf_model
@@ -178,9 +180,11 @@ def test_reads_ahead_go_into_l2_but_on_a_zen_5():
         assert found["prefetcht1"] > 0 and found["prefetcht0"] == 0, (name, found)
 
 
+# The kernels read a cache in either layout through its strides (the worker's CPU pool is head-major).
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), DECODE_PARAMS)
-def test_decode_attention_matches_per_token_oracle(num_kv_heads, group, head_dim, block_size, dtype):
-    check_decode_against_oracle(cpu_ops, num_kv_heads, group, head_dim, block_size, dtype)
+def test_decode_attention_matches_per_token_oracle(num_kv_heads, group, head_dim, block_size, dtype, layout):
+    check_decode_against_oracle(cpu_ops, num_kv_heads, group, head_dim, block_size, dtype, layout)
 
 
 # Which path takes a sequence of several queries: the tiled kernel (from TILE_MIN_LANES query vectors per kv
@@ -194,16 +198,17 @@ PATHS = [
 ]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("tile_min_lanes", "sdpa_min_pairs"), PATHS)
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), PREFILL_PARAMS)
 def test_mixed_prefill_batch_matches_per_token_oracle(
-    monkeypatch, tile_min_lanes, sdpa_min_pairs, num_kv_heads, group, head_dim, block_size, dtype
+    monkeypatch, tile_min_lanes, sdpa_min_pairs, num_kv_heads, group, head_dim, block_size, dtype, layout
 ):
     # The batch is split between the paths (with a threshold of 40 pairs the longer sequences go through
     # SDPA), and every row must land where it belongs.
     monkeypatch.setattr(cpu_ops, "TILE_MIN_LANES", tile_min_lanes)
     monkeypatch.setattr(cpu_ops, "SDPA_MIN_PAIRS", sdpa_min_pairs)
-    check_mixed_prefill_against_oracle(cpu_ops, num_kv_heads, group, head_dim, block_size, dtype)
+    check_mixed_prefill_against_oracle(cpu_ops, num_kv_heads, group, head_dim, block_size, dtype, layout)
 
 
 @pytest.mark.parametrize(
@@ -223,7 +228,7 @@ def test_a_lone_decode_row_on_more_threads_than_rows_matches_oracle(ctx, threads
     # Fewer rows than threads: the kv heads are split over the threads (some get none), and from 256
     # positions (16 blocks) the context is split into parts of at least 8 blocks whose partial softmaxes
     # are merged (2 at 260 positions, as many as the threads further on).
-    case = Case([ctx], 16, 3, 64, torch.bfloat16, seed=ctx)
+    case = Case([ctx], 16, 3, 64, torch.bfloat16, seed=ctx, layout="head-major")
     query = torch.randn(1, 9, 64, generator=case.gen).bfloat16()
     previous = torch.get_num_threads()
     try:
@@ -244,7 +249,7 @@ def test_a_chunk_after_a_long_cached_prefix_matches_oracle_on_any_thread_count(c
     # head, three here), fewer than two per thread: on AVX-512 each tile's blocks are then split into parts
     # whose partial softmaxes are merged (not at 100 positions, too few blocks; at 5 threads 40 rows' nine
     # tiles too).
-    case = Case([ctx], 16, 3, 64, dtype, seed=ctx + q_len)
+    case = Case([ctx], 16, 3, 64, dtype, seed=ctx + q_len, layout="head-major")
     query = torch.randn(q_len, 9, 64, generator=case.gen).to(dtype)
     start_loc = torch.tensor([0, q_len], dtype=torch.int32)
     previous = torch.get_num_threads()
@@ -326,6 +331,28 @@ def test_block_id_outside_the_cache_is_an_error_not_a_crash():
         cpu_ops.paged_decode_attention(query, case.k_cache, case.v_cache, tables, case.context_lens, 0.1)
 
 
+def test_a_cache_in_any_other_layout_is_refused():
+    # Position-major and head-major are the layouts the kernels read; a cache with its heads' dims strided
+    # (a slice of a wider tensor) or its blocks apart would be read wrong, so it is refused, not read.
+    query, tables, lens = torch.randn(1, 2, 64), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1).int()
+    sliced = torch.zeros(4, 8, 1, 128)[..., :64]
+    apart = torch.zeros(8, 8, 1, 64)[::2]
+    minor = torch.zeros(4, 1, 64, 8).permute(0, 3, 1, 2)  # head_dim not the innermost
+    for cache in (sliced, apart, minor):
+        with pytest.raises(RuntimeError, match="the KV cache must be contiguous, or a view of"):
+            cpu_ops.paged_decode_attention(query, cache, cache, tables, lens, 0.1)
+        with pytest.raises(RuntimeError, match="the KV cache must be contiguous, or a view of"):
+            cpu_ops.rotary_write_kv_(
+                torch.randn(1, 3, 64),
+                torch.randn(1, 1, 64),
+                torch.randn(1, 1, 64),
+                torch.randn(1, 1, 64),
+                cache,
+                cache,
+                torch.zeros(1, dtype=torch.int64),
+            )
+
+
 def test_context_past_the_block_table_or_short_of_the_queries_is_refused():
     case = Case([16], 8, 1, 64, torch.float32, seed=4)
     query = torch.randn(1, 1, 64)
@@ -392,9 +419,10 @@ def test_rms_norm_of_per_head_views_normalises_each_head():
     torch.testing.assert_close(cpu_ops.rms_norm(heads, weight, 1e-6), reference.rms_norm(heads, weight, 1e-6))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 40])  # bf16: halves of whole registers, and the scalar path
-def test_rotary_write_kv_is_bitwise_the_reference_and_skips_padding(dtype, head_dim):
+def test_rotary_write_kv_is_bitwise_the_reference_and_skips_padding(dtype, head_dim, layout):
     gen = torch.Generator().manual_seed(1)
     num_heads, num_kv_heads, t = 6, 2, 9
     qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
@@ -408,13 +436,13 @@ def test_rotary_write_kv_is_bitwise_the_reference_and_skips_padding(dtype, head_
         x = qkv.clone()
         qk = x[:, : (num_heads + num_kv_heads) * head_dim].view(t, num_heads + num_kv_heads, head_dim)
         v = x[:, (num_heads + num_kv_heads) * head_dim :].view(t, num_kv_heads, head_dim)
-        k_cache = torch.full((10, 4, num_kv_heads, head_dim), float("nan"), dtype=dtype)
-        v_cache = torch.full_like(k_cache, float("nan"))
+        k_cache = nan_cache((10, 4, num_kv_heads, head_dim), dtype, layout)
+        v_cache = nan_cache((10, 4, num_kv_heads, head_dim), dtype, layout)
         ops.rotary_write_kv_(qk, v, cos, sin, k_cache, v_cache, slots)
         results.append((x, k_cache, v_cache))
     for got, want in zip(*results, strict=True):
         assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
-    k_cache = results[0][1].view(-1, num_kv_heads, head_dim)
+    k_cache = results[0][1].reshape(-1, num_kv_heads, head_dim)
     assert k_cache.isnan().all(-1).all(-1).sum() == 40 - (t - 1)  # only the 8 real tokens were written
 
 
@@ -429,9 +457,10 @@ def test_rotary_write_kv_refuses_a_slot_outside_the_cache():
 # ---- block copies ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("src", "dst"), COPY_CASES)
-def test_copy_blocks_in_order_in_every_layer(src, dst):
-    check_copy_blocks_in_order(cpu_ops, src, dst)
+def test_copy_blocks_in_order_in_every_layer(src, dst, layout):
+    check_copy_blocks_in_order(cpu_ops, src, dst, layout)
 
 
 def test_copy_blocks_refuses_a_block_outside_the_cache():

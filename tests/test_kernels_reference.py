@@ -19,13 +19,28 @@ from pagedserve.kernels import CPU_KERNELS_ENV, _load_cpu_ops, _load_cuda_ops, g
 GARBAGE_BLOCK = 1_000_000  # pads block tables: far out of range, so reading it would raise or return junk
 
 
+# The two layouts a cache [num_blocks, block_size, num_kv_heads, head_dim] comes in: contiguous, and the CPU
+# pool's, a view of a contiguous [num_blocks, num_kv_heads, block_size, head_dim] (see worker_svc/kv_cache.py).
+LAYOUTS = ["token-major", "head-major"]
+
+
+def nan_cache(shape: tuple[int, int, int, int], dtype: torch.dtype, layout: str) -> torch.Tensor:
+    """A cache of `shape` in `layout`, every element NaN."""
+    num_blocks, block_size, num_kv_heads, head_dim = shape
+    if layout == "head-major":
+        heads_first = (num_blocks, num_kv_heads, block_size, head_dim)
+        return torch.full(heads_first, float("nan"), dtype=dtype).transpose(1, 2)
+    assert layout == "token-major", layout
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
 # (num_kv_heads, group): group = num_q_heads / num_kv_heads
 GQA = [(1, 1), (2, 2), (1, 4), (4, 2), (2, 7), (1, 8), (4, 8)]
 
 
 class Case:
     """A cache holding len(ctx_lens) sequences whose blocks are a random permutation of a larger pool;
-    every slot not holding a sequence's position is NaN."""
+    every slot not holding a sequence's position is NaN. layout: one of LAYOUTS."""
 
     def __init__(
         self,
@@ -37,6 +52,7 @@ class Case:
         seed: int = 0,
         shared_prefix_blocks: int = 0,
         spare_blocks: int = 7,
+        layout: str = "token-major",
     ):
         gen = torch.Generator().manual_seed(seed)
         self.ctx_lens, self.block_size = ctx_lens, block_size
@@ -53,8 +69,8 @@ class Case:
             else:
                 self.tables.append([pool.pop() for _ in range(n)])
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.full(shape, float("nan"), dtype=dtype)
-        self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.k_cache = nan_cache(shape, dtype, layout)
+        self.v_cache = nan_cache(shape, dtype, layout)
         for table, ctx in zip(self.tables, ctx_lens, strict=True):
             for p in range(ctx):
                 block, offset = table[p // block_size], p % block_size
@@ -117,9 +133,13 @@ DECODE_PARAMS = [
 ]
 
 
-def check_decode_against_oracle(ops, num_kv_heads, group, head_dim, block_size, dtype) -> None:
+def check_decode_against_oracle(
+    ops, num_kv_heads, group, head_dim, block_size, dtype, layout: str = "token-major"
+) -> None:
     """ops.paged_decode_attention over sequences of context_lens_for(block_size), against the oracle."""
-    case = Case(context_lens_for(block_size), block_size, num_kv_heads, head_dim, dtype, seed=group)
+    case = Case(
+        context_lens_for(block_size), block_size, num_kv_heads, head_dim, dtype, seed=group, layout=layout
+    )
     query = torch.randn(len(case.ctx_lens), num_kv_heads * group, head_dim, generator=case.gen).to(dtype)
     scale = head_dim**-0.5
     out = ops.paged_decode_attention(
@@ -182,7 +202,9 @@ PREFILL_PARAMS = [
 ]
 
 
-def check_mixed_prefill_against_oracle(ops, num_kv_heads, group, head_dim, block_size, dtype) -> None:
+def check_mixed_prefill_against_oracle(
+    ops, num_kv_heads, group, head_dim, block_size, dtype, layout: str = "token-major"
+) -> None:
     """ops.paged_prefill_attention over a batch mixing decodes, whole prompts and chunks on cached
     context, against the oracle."""
     bs = block_size
@@ -190,7 +212,9 @@ def check_mixed_prefill_against_oracle(ops, num_kv_heads, group, head_dim, block
     # cached context, a long decode, a chunk ending one short of a block, a fork of sequence 0.
     seqs = [(3 * bs + 5, 7), (3 * bs + 2, 1), (bs + 1, bs + 1), (1, 1), (100, 1), (bs, bs - 1), (2 * bs, 3)]
     ctx_lens, q_lens = [c for c, _ in seqs], [q for _, q in seqs]
-    case = Case(ctx_lens, bs, num_kv_heads, head_dim, dtype, seed=7 + group, shared_prefix_blocks=3)
+    case = Case(
+        ctx_lens, bs, num_kv_heads, head_dim, dtype, seed=7 + group, shared_prefix_blocks=3, layout=layout
+    )
     num_heads = num_kv_heads * group
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=case.gen).to(dtype)
     query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -204,6 +228,12 @@ def check_mixed_prefill_against_oracle(ops, num_kv_heads, group, head_dim, block
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), PREFILL_PARAMS)
 def test_mixed_prefill_batch_matches_per_token_oracle(num_kv_heads, group, head_dim, block_size, dtype):
     check_mixed_prefill_against_oracle(reference, num_kv_heads, group, head_dim, block_size, dtype)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_reference_reads_either_cache_layout(layout):
+    check_decode_against_oracle(reference, 2, 4, 64, 16, torch.bfloat16, layout)
+    check_mixed_prefill_against_oracle(reference, 2, 4, 64, 16, torch.float32, layout)
 
 
 def test_prefill_of_single_tokens_equals_decode():
@@ -233,12 +263,13 @@ def test_prefill_of_a_whole_prompt_is_causal():
     assert not torch.allclose(after[8:], before[8:])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_writes_each_token_to_its_slot_and_skips_padding(dtype):
+def test_write_kv_writes_each_token_to_its_slot_and_skips_padding(dtype, layout):
     num_blocks, bs, hkv, d = 6, 8, 2, 64
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"), dtype=dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
+    k_cache = nan_cache((num_blocks, bs, hkv, d), dtype, layout)
+    v_cache = nan_cache((num_blocks, bs, hkv, d), dtype, layout)
     slots = torch.randperm(num_blocks * bs, generator=gen)[:20]
     slots[[0, 5, 19]] = -1  # padding tokens
     key = torch.randn(20, hkv, d, generator=gen).to(dtype)
@@ -251,8 +282,8 @@ def test_write_kv_writes_each_token_to_its_slot_and_skips_padding(dtype):
             assert torch.equal(v_cache[slot // bs, slot % bs], value[t])
             written[slot] = True
     assert written.sum() == 17
-    assert k_cache.view(-1, hkv, d)[~written].isnan().all()
-    assert v_cache.view(-1, hkv, d)[~written].isnan().all()
+    assert k_cache.reshape(-1, hkv, d)[~written].isnan().all()
+    assert v_cache.reshape(-1, hkv, d)[~written].isnan().all()
 
 
 def test_write_kv_of_only_padding_changes_nothing():
@@ -271,11 +302,16 @@ def copy_in_order(caches: list[torch.Tensor], src: list[int], dst: list[int]) ->
     return caches
 
 
-def random_caches(num_layers: int, num_blocks: int, seed: int) -> tuple[list, list]:
+def random_caches(
+    num_layers: int, num_blocks: int, seed: int, layout: str = "token-major"
+) -> tuple[list, list]:
     gen = torch.Generator().manual_seed(seed)
-    k = [torch.randn(num_blocks, 4, 2, 8, generator=gen) for _ in range(num_layers)]
-    v = [torch.randn(num_blocks, 4, 2, 8, generator=gen) for _ in range(num_layers)]
-    return k, v
+
+    def cache() -> torch.Tensor:
+        c = nan_cache((num_blocks, 4, 2, 8), torch.float32, layout)
+        return c.copy_(torch.randn(c.shape, generator=gen))
+
+    return [cache() for _ in range(num_layers)], [cache() for _ in range(num_layers)]
 
 
 COPY_CASES = [
@@ -289,9 +325,9 @@ COPY_CASES = [
 ]
 
 
-def check_copy_blocks_in_order(ops, src: list[int], dst: list[int]) -> None:
+def check_copy_blocks_in_order(ops, src: list[int], dst: list[int], layout: str = "token-major") -> None:
     """ops.copy_blocks over 3 layers against the copies done one by one."""
-    k, v = random_caches(3, 8, seed=len(src))
+    k, v = random_caches(3, 8, seed=len(src), layout=layout)
     expected_k, expected_v = copy_in_order(k, src, dst), copy_in_order(v, src, dst)
     ops.copy_blocks(k, v, torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64))
     for got, want in zip(k + v, expected_k + expected_v, strict=True):

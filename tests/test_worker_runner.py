@@ -22,6 +22,7 @@ from worker_testing import (
 )
 
 from pagedserve.proto import worker_pb2
+from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec
 from pagedserve.worker_svc.runner import PlanError
 
 NUM_BLOCKS = 32
@@ -44,6 +45,17 @@ def runner(model_dir):
 
 
 # ---- execution ---------------------------------------------------------------------------------
+
+
+def test_the_cpu_pool_lays_each_block_out_kv_head_by_kv_head():
+    # Views [num_blocks, block_size, num_kv_heads, head_dim] of a head-major allocation: a kv head's rows of a
+    # block side by side (the decode attention reads a block front to back), the blocks one after another.
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=3, head_dim=8, block_size=4, dtype=torch.float32)
+    cache = KVCache(spec, 5, torch.device("cpu"))
+    for k, v in cache.layers:
+        assert k.shape == v.shape == (5, 4, 3, 8)
+        assert k.stride() == v.stride() == (3 * 4 * 8, 8, 4 * 8, 1)
+    assert cache.k_caches[1].data_ptr() - cache.k_caches[0].data_ptr() == 2 * 5 * 3 * 4 * 8 * 4
 
 
 def test_first_plan_samples_each_prompt_once(runner):

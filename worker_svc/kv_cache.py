@@ -1,5 +1,5 @@
 """The KV pool: per layer one K and one V tensor [num_blocks, block_size, num_kv_heads, head_dim], all of
-them views of one allocation.
+them views of one allocation (on the CPU of a head-major one: see KVCache).
 
 Its size is either an explicit block count or follows from a memory budget in bytes.
 """
@@ -82,7 +82,14 @@ class KVCache:
         # One sequence at 2048 positions, a pool of exactly its blocks (786 KB a layer) against one of
         # 10000 blocks (in huge pages), decode steps alternating in one process: 0.978-0.986x as long; the
         # decode attention alone, 30 layers from memory, 93.9 -> 81.2 us a layer.
-        pool = _zeros((spec.num_layers, 2, *shape), spec.dtype, device)
+        # On the CPU a block is head-major (a kv head's rows of the block side by side), and each tensor is a
+        # view of that in the shape above: the decode attention then reads every block front to back, one
+        # kv head at a time. On CUDA the kernels take the token-major tensor itself.
+        if device.type == "cpu":
+            heads_first = (num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
+            pool = _zeros((spec.num_layers, 2, *heads_first), spec.dtype, device).transpose(3, 4)
+        else:
+            pool = _zeros((spec.num_layers, 2, *shape), spec.dtype, device)
         self.k_caches = [pool[layer, 0] for layer in range(spec.num_layers)]
         self.v_caches = [pool[layer, 1] for layer in range(spec.num_layers)]
 
