@@ -102,7 +102,7 @@ def run_stream(model, device, tokens_per_step, counts_per_step, num_blocks):
         positions, meta = seqs.step(counts, device)
         hidden = model(ids.to(device), positions, meta, caches)
         last = meta.query_start_loc[1:].long() - 1
-        outs.append(model.compute_logits(hidden[last]).cpu())
+        outs.append(model.compute_logits(hidden[last]).float().cpu())
     return outs
 
 
@@ -141,7 +141,7 @@ def main() -> int:
     for step in range(args.steps + 1):
         positions, meta = seqs.step(step_counts, dev)
         hidden = gpu(ids.to(dev), positions, meta, caches_gpu)
-        logits = gpu.compute_logits(hidden[meta.query_start_loc[1:].long() - 1]).cpu()
+        logits = gpu.compute_logits(hidden[meta.query_start_loc[1:].long() - 1]).float().cpu()
         logits_gpu.append(logits)
         if step == args.steps:
             break

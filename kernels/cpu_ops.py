@@ -181,10 +181,14 @@ def rotary_write_kv_(
     load().rotary_write_kv_(qk, value, cos, sin, k_cache, v_cache, slot_mapping)
 
 
+_ARGMAX_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     # torch.argmax reads about 1.3 GB/s on CPU (48 rows of a 49k vocabulary in float32: 1.8 ms, the
     # sampling of a greedy decode step); this one pass with AVX-512 or AVX2 compares is bound by memory.
-    if x.dim() == 2 and x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[1] > 0:
+    # bf16 rows are compared as they widen (exactly), so the sampler need not widen argmax-only logits.
+    if x.dim() == 2 and x.dtype in _ARGMAX_DTYPES and x.stride(-1) == 1 and x.shape[1] > 0:
         return load().argmax_rows(x)
     return reference.argmax(x)
 

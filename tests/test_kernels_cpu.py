@@ -472,10 +472,11 @@ def test_copy_blocks_refuses_a_block_outside_the_cache():
 # ---- the sampler's argmax ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 5, 16, 17, 31, 49152])
-def test_argmax_is_torchs_on_ties_infinities_and_nans(n):
+def test_argmax_is_torchs_on_ties_infinities_and_nans(n, dtype):
     gen = torch.Generator().manual_seed(n)
-    x = torch.randn(10, n, generator=gen)
+    x = torch.randn(10, n, generator=gen).to(dtype)
     # Row 1: the largest value twice (the first counts); row 2: all equal; row 3: all -inf (index 0);
     # row 4: a NaN after the largest value, row 5: one in the last place; row 6: +inf twice; row 7: the
     # largest value in the last place; rows 8-9 as drawn.
@@ -488,12 +489,14 @@ def test_argmax_is_torchs_on_ties_infinities_and_nans(n):
     x[7, -1] = 100.0
     assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
     # A row view with a gap between rows, and rows of logits as the sampler sees them.
-    wide = torch.randn(4, n + 7, generator=gen)[:, :n]
+    wide = torch.randn(4, n + 7, generator=gen).to(dtype)[:, :n]
     assert torch.equal(cpu_ops.argmax(wide), wide.argmax(dim=-1))
+    # bf16: ties everywhere (8 bits of mantissa), and the answer is the widened row's.
+    assert torch.equal(cpu_ops.argmax(x), cpu_ops.argmax(x.float()))
 
 
 def test_argmax_of_anything_else_is_torchs():
-    x = torch.randn(6, 40).bfloat16()
+    x = torch.randn(6, 40).half()
     assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
     t = torch.randn(40, 6).T
     assert torch.equal(cpu_ops.argmax(t), t.argmax(dim=-1))

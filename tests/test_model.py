@@ -125,7 +125,7 @@ class PagedCache:
     ) -> torch.Tensor:
         positions, attn = self.step(chunks)
         input_ids = torch.cat([tokens[s][a:b] for s, a, b in chunks])
-        return model.compute_logits(model(input_ids, positions, attn, self.kv_caches, output_rows))
+        return model.compute_logits(model(input_ids, positions, attn, self.kv_caches, output_rows)).float()
 
 
 def _hf_logits(hf: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

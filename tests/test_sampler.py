@@ -512,3 +512,31 @@ def test_a_batch_of_argmax_rows_takes_the_argmax_and_nothing_else(extra, argmax_
         assert out.token_ids[1] == 3
     if "logprobs" in extra:
         assert out.logprobs.shape == (2,) and out.ranks.tolist()[0] == 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "argmax_only"),
+    [
+        ({}, True),
+        ({"logprobs": 0}, False),
+        ({"logit_bias": {3: 100.0}}, False),
+        ({"repetition_penalty": 1.2}, False),
+        ({"frequency_penalty": 0.5}, False),
+        ({"temperature": 0.7}, False),
+    ],
+)
+def test_bf16_logits_sample_as_their_float32_widening(extra, argmax_only):
+    # The model's logits come in its dtype: an argmax-only batch takes its argmax from them as they are,
+    # anything else widens them first; either way the result is that of the widened logits, bit for bit.
+    states = [SlotSamplingState(temperature=0.0), SlotSamplingState(**{"temperature": 0.0, **extra})]
+    logits = torch.stack([step_logits(1, 0), step_logits(2, 0)]).bfloat16()
+    logits[0, 5] = logits[0, 9] = logits[0].max() + 1  # a tie, as bf16 makes them: the first wins
+    got = Sampler(VOCAB, seed=0)(logits, SamplingMetadata.build(states, VOCAB))
+    want = Sampler(VOCAB, seed=0)(logits.float(), SamplingMetadata.build(states, VOCAB))
+    assert got.token_ids[0] == 5
+    for a, b in zip(
+        (got.token_ids, got.logprobs, got.ranks, got.top_ids, got.top_logprobs),
+        (want.token_ids, want.logprobs, want.ranks, want.top_ids, want.top_logprobs),
+        strict=True,
+    ):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -422,12 +422,15 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # NOTE: the matmul runs in the model dtype (casting the [vocab, hidden] weight every step would
-        # cost more than the matmul); only the result is widened for the sampler.
+        """The logits of `hidden`'s rows, in the model dtype: the sampler widens them where it must (an
+        argmax-only batch takes its argmax from them as they are).
+
+        NOTE: the matmul runs in the model dtype (casting the [vocab, hidden] weight every step would cost
+        more than the matmul)."""
         head = self.lm_head if self.lm_head is not None else self.tied_head
         if head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return head(hidden).float()
+            return F.linear(hidden, self.embed_tokens.weight)
+        return head(hidden)
 
     def pack_linears(self) -> None:
         """Replace every nn.Linear (and a tied LM head) with a PackedLinear; see can_pack_linears.
