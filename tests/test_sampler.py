@@ -484,17 +484,18 @@ def test_filters_and_logprobs_on_cuda_match_the_cpu_definition():
     torch.testing.assert_close(out.top_logprobs.cpu(), expected.topk(3, dim=-1).values)
 
 
-@pytest.mark.parametrize(
-    ("extra", "argmax_only"),
-    [
-        ({}, True),
-        ({"logprobs": 0}, False),
-        ({"logit_bias": {3: 100.0}}, False),
-        ({"repetition_penalty": 1.2}, False),
-        ({"frequency_penalty": 0.5}, False),
-        ({"temperature": 0.7}, False),
-    ],
-)
+# A greedy row's extra parameters, and whether the row is then argmax_only.
+ROW_KINDS = [
+    ({}, True),
+    ({"logprobs": 0}, False),
+    ({"logit_bias": {3: 100.0}}, False),
+    ({"repetition_penalty": 1.2}, False),
+    ({"frequency_penalty": 0.5}, False),
+    ({"temperature": 0.7}, False),
+]
+
+
+@pytest.mark.parametrize(("extra", "argmax_only"), ROW_KINDS)
 def test_a_batch_of_argmax_rows_takes_the_argmax_and_nothing_else(extra, argmax_only):
     # Such a batch skips the metadata's passes over its rows; any row that needs more takes them all.
     states = [SlotSamplingState(temperature=0.0), SlotSamplingState(**{"temperature": 0.0, **extra})]
@@ -514,17 +515,7 @@ def test_a_batch_of_argmax_rows_takes_the_argmax_and_nothing_else(extra, argmax_
         assert out.logprobs.shape == (2,) and out.ranks.tolist()[0] == 1
 
 
-@pytest.mark.parametrize(
-    ("extra", "argmax_only"),
-    [
-        ({}, True),
-        ({"logprobs": 0}, False),
-        ({"logit_bias": {3: 100.0}}, False),
-        ({"repetition_penalty": 1.2}, False),
-        ({"frequency_penalty": 0.5}, False),
-        ({"temperature": 0.7}, False),
-    ],
-)
+@pytest.mark.parametrize(("extra", "argmax_only"), ROW_KINDS)
 def test_bf16_logits_sample_as_their_float32_widening(extra, argmax_only):
     # The model's logits come in its dtype: an argmax-only batch takes its argmax from them as they are,
     # anything else widens them first; either way the result is that of the widened logits, bit for bit.
