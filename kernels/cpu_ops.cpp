@@ -2487,6 +2487,58 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// The inputs of a decode step (one token per sequence) from the runner's per-slot arrays: sequence i (slot
+// slots[i]) computes its token at position start[i]. Returns its input ids (token_ids[slot, start]), its
+// slot mapping (the cache slot of that position through the slot's block table), the block tables of the
+// sequences up to the longest one's blocks, the query starts (0 .. S) and the context lengths (start + 1),
+// as the runner's general path computes them with numpy (worker_svc/runner.py), in one call instead of
+// eight numpy calls and five tensors, which run cold after every forward pass.
+std::vector<at::Tensor> decode_inputs(const at::Tensor& token_ids, const at::Tensor& block_tables,
+                                      const at::Tensor& slots, const at::Tensor& start, int64_t block_size) {
+  TORCH_CHECK(token_ids.dim() == 2 && token_ids.scalar_type() == at::kLong && token_ids.stride(1) == 1,
+              "token_ids must be int64 [rows, tokens] with contiguous rows");
+  TORCH_CHECK(
+      block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
+      "block_tables must be int32 [rows, blocks] with contiguous rows");
+  TORCH_CHECK(slots.dim() == 1 && start.sizes() == slots.sizes() && slots.scalar_type() == at::kLong &&
+                  start.scalar_type() == at::kLong && slots.is_contiguous() && start.is_contiguous(),
+              "slots and start must be contiguous int64 [S]");
+  TORCH_CHECK(block_size > 0, "block_size must be positive");
+  const int64_t n = slots.numel();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* pos = start.data_ptr<int64_t>();
+  int64_t max_blocks = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < token_ids.size(0) && slot[i] < block_tables.size(0), "slot ",
+                slot[i], " is outside the arrays");
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < token_ids.size(1) && pos[i] / block_size < block_tables.size(1),
+                "position ", pos[i], " of slot ", slot[i], " is outside the arrays");
+    max_blocks = std::max(max_blocks, pos[i] / block_size + 1);
+  }
+  const at::TensorOptions longs = token_ids.options(), ints = block_tables.options();
+  at::Tensor ids = at::empty({n}, longs), slot_mapping = at::empty({n}, longs);
+  at::Tensor tables = at::empty({n, max_blocks}, ints), qsl = at::empty({n + 1}, ints),
+             lens = at::empty({n}, ints);
+  const int64_t* tok = token_ids.data_ptr<int64_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  int64_t* id = ids.data_ptr<int64_t>();
+  int64_t* sm = slot_mapping.data_ptr<int64_t>();
+  int32_t* tb = tables.data_ptr<int32_t>();
+  int32_t* q = qsl.data_ptr<int32_t>();
+  int32_t* len = lens.data_ptr<int32_t>();
+  q[0] = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t* row = tok + slot[i] * token_ids.stride(0);
+    const int32_t* table = bt + slot[i] * block_tables.stride(0);
+    id[i] = row[pos[i]];
+    sm[i] = static_cast<int64_t>(table[pos[i] / block_size]) * block_size + pos[i] % block_size;
+    std::memcpy(tb + i * max_blocks, table, max_blocks * sizeof(int32_t));
+    q[i + 1] = static_cast<int32_t>(i + 1);
+    len[i] = static_cast<int32_t>(pos[i] + 1);
+  }
+  return {ids, slot_mapping, tables, qsl, lens};
+}
+
 // For every cache, block src[i] copied to block dst[i], one copy after another (a block written by copy i
 // and read by a later one passes on its new content). One call for all layers: PyTorch's index_select and
 // index_copy_ cost two ops per cache, 60 for a 30-layer model, about 0.6 ms for a single copy-on-write.
@@ -4329,6 +4381,10 @@ std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, 
                             max_pairs, min_tile_lanes);
 }
 at::Tensor argmax_rows(const at::Tensor& x) { return ::argmax_rows(x); }
+std::vector<at::Tensor> decode_inputs(const at::Tensor& token_ids, const at::Tensor& block_tables,
+                                      const at::Tensor& slots, const at::Tensor& start, int64_t block_size) {
+  return ::decode_inputs(token_ids, block_tables, slots, start, block_size);
+}
 void copy_blocks_(const std::vector<at::Tensor>& caches, const at::Tensor& src, const at::Tensor& dst) {
   ::copy_blocks_(caches, src, dst);
 }

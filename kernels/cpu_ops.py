@@ -36,6 +36,7 @@ __all__ = [
     "add_rms_norm_",
     "argmax",
     "copy_blocks",
+    "decode_inputs",
     "decoder_stack",
     "linear_kernels",
     "load",
@@ -179,6 +180,20 @@ def rotary_write_kv_(
     slot_mapping: torch.Tensor,
 ) -> None:
     load().rotary_write_kv_(qk, value, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def decode_inputs(
+    token_ids: torch.Tensor,
+    block_tables: torch.Tensor,
+    slots: torch.Tensor,
+    start: torch.Tensor,
+    block_size: int,
+) -> list[torch.Tensor]:
+    """A decode step's inputs from a runner's per-slot arrays (token_ids int64 [rows, tokens],
+    block_tables int32 [rows, blocks]): sequence i (slot slots[i]) computes its token at position
+    start[i]. Returns [input_ids int64 [S], slot_mapping int64 [S], block_tables int32 [S, max_blocks],
+    query_start_loc int32 [S + 1], context_lens int32 [S]] (see ModelRunner._model_inputs)."""
+    return load().decode_inputs(token_ids, block_tables, slots, start, block_size)
 
 
 _ARGMAX_DTYPES = (torch.float32, torch.bfloat16)

@@ -495,6 +495,31 @@ def test_argmax_is_torchs_on_ties_infinities_and_nans(n, dtype):
     assert torch.equal(cpu_ops.argmax(x), cpu_ops.argmax(x.float()))
 
 
+def test_decode_inputs_gather_each_sequences_token_slot_and_table():
+    token_ids = torch.arange(40, dtype=torch.int64).view(4, 10)
+    tables = torch.tensor([[7, 3, 9], [2, 0, 0], [5, 6, 0], [1, 4, 8]], dtype=torch.int32)
+    slots, start = torch.tensor([3, 1, 2]), torch.tensor([9, 2, 4])
+    ids, slot_mapping, block_tables, query_start_loc, context_lens = cpu_ops.decode_inputs(
+        token_ids, tables, slots, start, 4
+    )
+    assert ids.tolist() == [39, 12, 24]
+    assert slot_mapping.tolist() == [8 * 4 + 1, 2 * 4 + 2, 6 * 4 + 0]
+    assert block_tables.tolist() == [[1, 4, 8], [2, 0, 0], [5, 6, 0]]  # the longest sequence's 3 blocks
+    assert query_start_loc.tolist() == [0, 1, 2, 3] and context_lens.tolist() == [10, 3, 5]
+    longs, ints = (ids, slot_mapping), (block_tables, query_start_loc, context_lens)
+    assert all(t.dtype == torch.int64 for t in longs) and all(t.dtype == torch.int32 for t in ints)
+
+
+def test_decode_inputs_refuse_a_slot_or_position_outside_the_arrays():
+    token_ids, tables = torch.zeros(4, 8, dtype=torch.int64), torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="slot 4 is outside the arrays"):
+        cpu_ops.decode_inputs(token_ids, tables, torch.tensor([4]), torch.tensor([0]), 4)
+    with pytest.raises(RuntimeError, match="position 8 of slot 1 is outside the arrays"):
+        cpu_ops.decode_inputs(token_ids, tables, torch.tensor([1]), torch.tensor([8]), 4)
+    with pytest.raises(RuntimeError, match="position 7 of slot 1 is outside the arrays"):  # past its table
+        cpu_ops.decode_inputs(token_ids, tables, torch.tensor([1]), torch.tensor([7]), 2)
+
+
 def test_argmax_of_anything_else_is_torchs():
     x = torch.randn(6, 40).half()
     assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))

@@ -23,7 +23,7 @@ from worker_testing import (
 
 from pagedserve.proto import worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec
-from pagedserve.worker_svc.runner import PlanError
+from pagedserve.worker_svc.runner import ModelRunner, PlanError
 
 NUM_BLOCKS = 32
 BLOCK_SIZE = 4
@@ -247,6 +247,51 @@ def test_the_gap_is_the_end_of_the_previous_step_to_the_start_of_this_one(runner
     # slowly a loaded machine runs the test.
     steps = sum(t.prepare_seconds + t.forward_seconds + t.sample_seconds for t in (waited, early))
     assert early.idle_seconds == 0.0 and 0.03 <= early.gap_seconds <= done - started - steps + 1e-6
+
+
+def test_a_decode_steps_inputs_from_the_cpu_kernels_are_the_general_paths(model_dir):
+    runner = make_runner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    if runner._decode_inputs is None:
+        pytest.skip("the C++ CPU kernels are not the ops here")
+    calls = []
+    kernel = runner._decode_inputs
+    runner._decode_inputs = lambda *args: calls.append(args) or kernel(*args)
+    steps = []
+
+    def both(b):  # the runner's inputs as it computes them, and as its numpy path does
+        fast = ModelRunner._model_inputs(runner, b)
+        saved, runner._decode_inputs = runner._decode_inputs, None
+        steps.append((fast, ModelRunner._model_inputs(runner, b)))
+        runner._decode_inputs = saved
+        return fast
+
+    runner._model_inputs = both
+    # Slots out of order, one past the arrays' first rows (they grow, and the kernel must read the new
+    # ones); contexts ending on a block's edge (slot 0 takes a new block), mid-block, and in a longer table.
+    prompts = {11: list(range(3, 10)), 0: list(range(20, 24)), 5: list(range(40, 49))}
+    tables = {11: [4, 5], 0: [0], 5: [6, 7, 8]}
+    runner.execute(
+        plan(
+            1,
+            [(slot, len(prompts[slot]), tables[slot]) for slot in prompts],
+            new_requests=[new_request(slot, p) for slot, p in prompts.items()],
+        )
+    )
+    runner.execute(plan(2, [(11, 1, []), (0, 1, [1]), (5, 1, [])]))
+    runner.execute(plan(3, [(5, 1, []), (11, 1, [9])]))
+    assert len(calls) == 2 and len(steps) == 3  # the prompt step took the numpy path alone
+    for (ids, positions, attn), (ids_np, positions_np, attn_np) in steps[1:]:
+        for got, want in [
+            (ids, ids_np),
+            (positions, positions_np),
+            (attn.slot_mapping, attn_np.slot_mapping),
+            (attn.block_tables, attn_np.block_tables),
+            (attn.query_start_loc, attn_np.query_start_loc),
+            (attn.context_lens, attn_np.context_lens),
+        ]:
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        assert attn.max_query_len == attn_np.max_query_len == 1
+    assert steps[1][0][2].slot_mapping.tolist() == [5 * 4 + 3, 1 * 4 + 0, 8 * 4 + 1]
 
 
 # ---- validation: a broken plan is refused whole and changes nothing ----------------------------
