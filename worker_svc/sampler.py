@@ -152,6 +152,11 @@ class SamplingMetadata:
         return self.output_token_ids is None
 
     @property
+    def argmax_only(self) -> bool:
+        """Every row's token is the argmax of its logits (see SlotSamplingState.argmax_only)."""
+        return self.all_greedy and self.no_penalties and self.logit_bias is None and not self.any_logprobs
+
+    @property
     def no_top_k(self) -> bool:
         return self.top_k is None
 
@@ -338,7 +343,7 @@ class Sampler:
         # (that of their float32 widening, which is exact); the rest works in float32. Decode steps without
         # the widening, two runners alternating: one sequence at 2048 positions 0.985x and 0.994x as long,
         # 4 at 1024 0.990x, 16 at 512 0.995x (a fresh float32 copy of the logits every step, 196 KB a row).
-        if not (meta.all_greedy and meta.no_penalties and meta.logit_bias is None and not meta.any_logprobs):
+        if not meta.argmax_only:
             logits = logits.float()
         # NOTE: every step below is out of place: the raw logits serve the logprobs at the end.
         x = apply_logit_bias(logits, meta)
