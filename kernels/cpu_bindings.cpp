@@ -29,6 +29,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefetches_into_l2", &ps::prefetches_into_l2,
         "Whether the tiled attention and the bf16 linear's decode rows prefetch into L2 rather than L1 "
         "(on every CPU but an AMD Zen 5)");
+  m.def("has_amx", &ps::has_amx,
+        "Whether the bf16 linear takes AMX tiles from 16 rows on (a build with AMX, and Linux's permission)");
+  m.def(
+      "set_amx_enabled", &ps::set_amx_enabled, py::arg("enabled"),
+      "Lets the bf16 linear take AMX or keeps it on AVX-512 (for benchmarks and tests); returns the setting "
+      "before");
   py::class_<ps::DecoderStack>(m, "DecoderStack", "A decoder's layers run in one call (see model.CausalLM)")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>(),
            py::arg("hidden"), py::arg("intermediate"), py::arg("num_heads"), py::arg("num_kv_heads"),

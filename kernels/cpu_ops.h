@@ -37,6 +37,8 @@ at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t si
 bool has_linear();
 bool has_linear_f32();
 bool prefetches_into_l2();
+bool has_amx();
+bool set_amx_enabled(bool enabled);
 
 // A decoder's layers run in one call (see the kernels' DecoderStack).
 class DecoderStack {

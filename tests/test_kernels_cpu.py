@@ -48,6 +48,27 @@ def _built() -> bool:
 pytestmark = pytest.mark.skipif(not _built(), reason="the C++ CPU kernels cannot be built here")
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+needs_amx = pytest.mark.skipif(
+    not (_built() and cpu_ops.load().has_amx()), reason="no AMX here (amx_bf16 and Linux's permission for it)"
+)
+
+
+@pytest.fixture
+def amx_switch():
+    """set(enabled) lets the bf16 linear take AMX or keeps it on AVX-512; put back after the test."""
+    kernels = cpu_ops.load()
+    before = kernels.set_amx_enabled(True)
+    yield kernels.set_amx_enabled
+    kernels.set_amx_enabled(before)
+
+
 @pytest.mark.parametrize("source", ["SOURCE", "HEADER", "BINDINGS"])
 def test_the_build_is_named_after_the_sources(tmp_path, monkeypatch, source):
     # Two checkouts sharing one extension cache must not load each other's build.
@@ -261,6 +282,33 @@ def test_a_chunk_after_a_long_cached_prefix_matches_oracle_on_any_thread_count(c
     finally:
         torch.set_num_threads(previous)
     assert_matches_oracle(out, oracle(query, case, [q_len], 0.125), dtype)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("ctx_lens", "q_lens"),
+    [([500], [500]), ([120, 37, 300], [120, 37, 16]), ([700], [15]), ([2100], [15]), ([33, 260], [17, 64])],
+)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_amx_tiled_attention_gives_the_avx512_kernels_results(
+    monkeypatch, amx_switch, ctx_lens, q_lens, layout
+):
+    # With AMX the tiled kernel's two products are tiles (K's 16 rows of a block by the query pairs, V
+    # transposed by the weight pairs); the masking, the online softmax and the splits of a short chunk
+    # after a long prefix (15 rows) stay AVX-512's. Blocks end short (37, 33, 17 positions) over a cache
+    # of NaN past every sequence: transposed V must be zero there. The sums run in the same order, so the
+    # outputs are AVX-512's but for rare last-bit roundings (0.3 % of them over 2100 positions).
+    case = Case(ctx_lens, 16, 3, 64, torch.bfloat16, seed=sum(ctx_lens), layout=layout)
+    query = torch.randn(sum(q_lens), 9, 64, generator=case.gen).bfloat16()
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    args = (query, case.k_cache, case.v_cache, case.block_tables, starts, case.context_lens, 0.125)
+    monkeypatch.setattr(cpu_ops, "TILE_MIN_LANES", 1)  # every sequence of several rows tiled
+    out = cpu_ops.paged_prefill_attention(*args)
+    amx_switch(False)
+    avx512 = cpu_ops.paged_prefill_attention(*args)
+    assert_matches_oracle(out, oracle(query, case, q_lens, 0.125), torch.bfloat16)
+    assert (out != avx512).float().mean() < 1e-2
+    torch.testing.assert_close(out, avx512, rtol=2**-7, atol=1e-3)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -540,6 +588,16 @@ def _exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out if bias is None else out + bias.double()
 
 
+def _assert_rounds_the_exact_product_once(out, x, weight, bias) -> torch.Tensor:
+    """Within one bf16 step of the exact product (and float32 rounding where a sum cancels to near zero),
+    and at least as close to it as PyTorch's own bf16 linear; returns the exact product."""
+    exact = _exact_linear(x, weight, bias)
+    torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-4)
+    theirs = torch.nn.functional.linear(x, weight, bias)
+    assert (out.double() - exact).abs().max() <= 1.001 * (theirs.double() - exact).abs().max() + 1e-6
+    return exact
+
+
 @needs_linear
 @pytest.mark.parametrize(
     ("rows", "n", "k"),
@@ -588,11 +646,8 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
     x = torch.randn(rows, k, generator=gen).bfloat16()
     kernels = cpu_ops.linear_kernels()
     out = kernels.linear(x, kernels.pack_linear_weight(weight), n, b)
-    exact = _exact_linear(x, weight, b)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-4)
-    theirs = torch.nn.functional.linear(x, weight, b)
-    assert (out.double() - exact).abs().max() <= 1.001 * (theirs.double() - exact).abs().max() + 1e-6
+    _assert_rounds_the_exact_product_once(out, x, weight, b)
 
 
 @needs_linear
@@ -784,15 +839,16 @@ def test_linear_reads_strided_and_batched_inputs():
 
 
 @needs_linear
-@pytest.mark.parametrize("rows", [1, 8, 9, 30, 31, 61, 200, 250])
+@pytest.mark.parametrize("rows", [1, 6, 8, 9, 30, 31, 61, 200, 250, 300])
 @pytest.mark.parametrize(("size", "k"), [(96, 64), (40, 30), (48, 33), (32, 800)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_silu_is_linear_then_silu_mul(rows, size, k, bias):
     # The MLP's gate_up and activation in one pass where it applies (size a multiple of 16, even K; on
     # AVX-512 more than 8 rows: one pass over each block or several, and past 120 rows in groups of rows;
     # on AVX2 the rows through the float32 copy, from 32 in groups of 96 or, past K = 768, 48, with a
-    # short last group as the two calls: 200 rows), else the two calls: the same bits either way, from a
-    # strided view and with leading dimensions too.
+    # short last group as the two calls: 200 rows; with AMX, from 6 rows where K is a multiple of 32, the
+    # gate and up blocks as one step's two W tiles, 256 rows at a time: 300 rows), else the two calls: the
+    # same bits either way, from a strided view and with leading dimensions too.
     gen = torch.Generator().manual_seed(rows * size + k)
     weight = torch.randn(2 * size, k, generator=gen).bfloat16()
     b = torch.randn(2 * size, generator=gen).bfloat16() if bias else None
@@ -803,6 +859,70 @@ def test_linear_silu_is_linear_then_silu_mul(rows, size, k, bias):
     assert torch.equal(kernels.linear_silu(x, packed, size, b), expected)
     batched = kernels.linear_silu(x.unsqueeze(0), packed, size, b)
     assert batched.shape == (1, rows, size) and torch.equal(batched[0], expected)
+
+
+@pytest.mark.skipif(not {"amx_bf16", "amx_tile"} <= _cpu_flags(), reason="this CPU has no AMX")
+def test_a_cpu_with_amx_gets_the_amx_kernels():
+    # Without them (a build that lost the tile instructions, a refused permission) the linear and the tiled
+    # attention fall back to AVX-512 BF16 without a word: the linear 6-12x slower from 16 rows, the
+    # attention 2-3x.
+    kernels = cpu_ops.load()
+    assert kernels.has_amx()
+    if shutil.which("objdump") is not None:
+        instructions = _instructions_by_function(kernels.__file__)
+        for kernel in ("linear_amx", "tiled_attention_impl<c10::BFloat16>"):
+            tiles = Counter(
+                i.split()[0] for name, body in instructions.items() if kernel in name for i in body
+            )
+            assert tiles["tdpbf16ps"] >= 3 and tiles["tileloadd"] >= 3, (kernel, tiles)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("rows", "n", "k"),
+    [
+        (6, 200, 64),
+        (16, 3072, 576),
+        (17, 960, 576),
+        (31, 33, 96),
+        (32, 576, 1536),
+        (33, 48, 32),
+        (300, 200, 96),
+        (513, 100, 64),
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_amx_linear_rounds_the_exact_product_once_as_avx512_does(amx_switch, rows, n, k, bias, threads):
+    # From 6 rows and K a multiple of 32 the linear multiplies tiles: x tiles of 16 rows (the last padded:
+    # 6, 17, 31, 33, 300 and 513 rows), W tiles straight from the packed blocks, two blocks and two x tiles
+    # a step (odd block counts a thread and odd tile counts leave single ones: 200 columns are 13 blocks,
+    # 33 and 100 columns 3 and 7), 256 rows at a time (300 and 513 rows: two and three). Within one bf16
+    # step of the exact product, at least as close to it as PyTorch's linear, and AVX-512's bits but for
+    # rare last-bit differences of the float32 sums (tdpbf16ps rounds inside a pair's products
+    # differently in some cases: about 1 output in 5,000 apart).
+    gen = torch.Generator().manual_seed(rows * n + k)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    kernels = cpu_ops.linear_kernels()
+    packed = kernels.pack_linear_weight(weight)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernels.linear(x, packed, n, b)
+        amx_switch(False)
+        avx512 = kernels.linear(x, packed, n, b)
+    finally:
+        torch.set_num_threads(before)
+    exact = _assert_rounds_the_exact_product_once(out, x, weight, b)
+    differ = out != avx512
+    assert differ.float().mean() < 1e-3
+    # Where they differ, by the float32 sums' rounding: a bf16 step or two (2^-7 of the value), more only
+    # where a sum cancels to near zero, within the bound of k-term float32 summation.
+    magnitude = x.double().abs() @ weight.double().abs().T
+    gap = (out.double() - avx512.double()).abs()
+    assert (gap <= 2**-7 * exact.abs() + (k + 1) * 2.0**-24 * magnitude + 1e-30).all()
 
 
 @needs_linear
