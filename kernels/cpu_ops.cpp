@@ -1727,8 +1727,8 @@ void tiled_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
     const int64_t max_pairs = (a.block_size + 1) / 2;
     std::vector<int32_t> qp(kPairs ? a.head_dim / 2 * kTileLanes : 0),
         pp(kPairs ? max_pairs * kTileLanes : 0), vp(kPairs ? max_pairs * a.head_dim : 0);
-    std::vector<at::BFloat16> vt(amx ? a.head_dim * a.block_size
-                                     : 0);  // AMX: V^T[d][j], a block's V transposed
+    // AMX: vt[d][j], a block's V transposed (see amx_values).
+    std::vector<at::BFloat16> vt(amx ? a.head_dim * a.block_size : 0);
     std::vector<float> qt(kPairs ? 0 : a.head_dim * kTileLanes), kb(kPairs ? 0 : a.block_size * a.head_dim),
         vb(kPairs ? 0 : a.block_size * a.head_dim), s(a.block_size * kTileLanes), ot(a.head_dim * kTileLanes);
     // One task in R registers of lanes (R x 16 >= its query vectors).
@@ -3274,8 +3274,7 @@ void linear_silu_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at:
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// ---- the linear layers on AMX
-// ------------------------------------------------------------------------------
+// ---- linear layers on AMX ---------------------------------------------------------------------------------
 //
 // The packed weights are tiles already: a packed block's 16 consecutive K pairs (see the layout above) are
 // one W tile of 32 x 16, 16 lines of 64 bytes one after the other. So the AMX kernel reads the weights
