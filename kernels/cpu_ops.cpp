@@ -3177,6 +3177,11 @@ inline void for_row_chunks(int64_t m, int64_t c0, int64_t c1, F&& f) {
   }
 }
 
+// The columns of block b that exist among n (the last block's may be fewer than 16).
+inline __mmask16 block_cols(int64_t n, int64_t b) {
+  return static_cast<__mmask16>((1u << std::min<int64_t>(kBlock, n - b * kBlock)) - 1);
+}
+
 // Block b's bias (its columns in cols) in float32, added before the one rounding (as oneDNN and F.linear
 // do); zero without a bias.
 inline __m512 bias_block(const at::BFloat16* bias, int64_t b, __mmask16 cols) {
@@ -3202,9 +3207,7 @@ void linear_avx512(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFlo
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const auto cols_of = [&](int64_t b) {
-      return static_cast<__mmask16>((1u << std::min<int64_t>(kBlock, n - b * kBlock)) - 1);
-    };
+    const auto cols_of = [&](int64_t b) { return block_cols(n, b); };
     const auto bias_of = [&](int64_t b) { return bias_block(bias, b, cols_of(b)); };
     if (m <= kTwoStreamRows) {
       const int l2 = reads_ahead_into_l2() ? 1 : 0;
@@ -3355,23 +3358,21 @@ inline void amx_tiles(const at::BFloat16* a0, int64_t sa0, const at::BFloat16* a
   if constexpr (RT > 1 && BT > 1) _tile_stored(3, c + 3 * kTile, kBlock * 4);
 }
 
-// The sums of x tiles i and i + 1 (if there is one, `two`) of `tiles` by W blocks j and j + 1 (`two_blocks`)
-// into c, as amx_tiles lays them out.
-inline void amx_step(const RowTiles& tiles, int64_t i, bool two, const at::BFloat16* w, int64_t j,
-                     bool two_blocks, int64_t pairs, float* c) {
+// The sums of x tiles i and i + 1 (if there is one, `two`) of `tiles` by the W blocks at w0 and w1 (none:
+// w0 alone) into c, as amx_tiles lays them out.
+inline void amx_step(const RowTiles& tiles, int64_t i, bool two, const at::BFloat16* w0,
+                     const at::BFloat16* w1, int64_t pairs, float* c) {
   const at::BFloat16* a0 = tiles.base(i);
   const at::BFloat16* a1 = two ? tiles.base(i + 1) : a0;
   const int64_t sa0 = tiles.stride_bytes(i), sa1 = two ? tiles.stride_bytes(i + 1) : sa0;
-  const at::BFloat16* w0 = w + j * pairs * 2 * kBlock;
-  const at::BFloat16* w1 = w0 + pairs * 2 * kBlock;
-  if (two && two_blocks)
+  if (two && w1 != nullptr)
     amx_tiles<2, 2>(a0, sa0, a1, sa1, w0, w1, pairs, c);
   else if (two)
-    amx_tiles<2, 1>(a0, sa0, a1, sa1, w0, w1, pairs, c);
-  else if (two_blocks)
+    amx_tiles<2, 1>(a0, sa0, a1, sa1, w0, w0, pairs, c);
+  else if (w1 != nullptr)
     amx_tiles<1, 2>(a0, sa0, a1, sa1, w0, w1, pairs, c);
   else
-    amx_tiles<1, 1>(a0, sa0, a1, sa1, w0, w1, pairs, c);
+    amx_tiles<1, 1>(a0, sa0, a1, sa1, w0, w0, pairs, c);
 }
 
 // Rounds a tile of sums (16 x 16 float32 at c) plus the block's bias to bf16: `rows` rows of `cols` columns,
@@ -3416,12 +3417,12 @@ void linear_amx(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BFloat1
         const bool two_blocks = j + 1 < b1;
         for (int64_t i = 0; i < tiles.count(); i += 2) {
           const bool two = i + 1 < tiles.count();
-          amx_step(tiles, i, two, w, j, two_blocks, pairs, c);
+          const at::BFloat16* wj = w + j * pairs * 2 * kBlock;
+          amx_step(tiles, i, two, wj, two_blocks ? wj + pairs * 2 * kBlock : nullptr, pairs, c);
           for (int64_t rt = 0; rt < (two ? 2 : 1); ++rt)
             for (int64_t bt = 0; bt < (two_blocks ? 2 : 1); ++bt) {
               const int64_t b = j + bt, rows = tiles.rows_of(i + rt);
-              const __mmask16 cols =
-                  static_cast<__mmask16>((1u << std::min<int64_t>(kBlock, n - b * kBlock)) - 1);
+              const __mmask16 cols = block_cols(n, b);
               store_amx_tile(c + (rt * (two_blocks ? 2 : 1) + bt) * kAmxTileRows * kBlock,
                              bias_block(bias, b, cols), rows, cols,
                              y + (r0 + (i + rt) * kAmxTileRows) * ldy + b * kBlock, ldy);
@@ -3449,13 +3450,7 @@ void linear_silu_amx(const at::BFloat16* x, int64_t ldx, int64_t m, const at::BF
         const __m512 bias_gate = bias_block(bias, j, 0xFFFF), bias_up = bias_block(bias, half + j, 0xFFFF);
         for (int64_t i = 0; i < tiles.count(); i += 2) {
           const bool two = i + 1 < tiles.count();
-          const at::BFloat16* a0 = tiles.base(i);
-          const at::BFloat16* a1 = two ? tiles.base(i + 1) : a0;
-          const int64_t sa0 = tiles.stride_bytes(i), sa1 = two ? tiles.stride_bytes(i + 1) : sa0;
-          if (two)
-            amx_tiles<2, 2>(a0, sa0, a1, sa1, w + j * block_elems, w + (half + j) * block_elems, pairs, c);
-          else
-            amx_tiles<1, 2>(a0, sa0, a1, sa1, w + j * block_elems, w + (half + j) * block_elems, pairs, c);
+          amx_step(tiles, i, two, w + j * block_elems, w + (half + j) * block_elems, pairs, c);
           for (int64_t rt = 0; rt < (two ? 2 : 1); ++rt) {
             const int64_t rows = tiles.rows_of(i + rt);
             const float* cg = c + 2 * rt * kAmxTileRows * kBlock;
