@@ -35,6 +35,22 @@ log = get_logger("pagedserve.launcher")
 LOOPBACK = "127.0.0.1"
 
 
+def python_command(*args: str) -> list[str]:
+    """This interpreter's command line for a child process (`-m module ...` or `-c code ...`).
+
+    NOTE: -P keeps the working directory off sys.path. `python -m` and `-c` put it first, and from
+    the repository root its kernels/ folder would then be what `import kernels` finds: transformers
+    imports the Hugging Face kernels package by that name once it is installed (transformers 5
+    depends on it), and got our folder instead. Our own layers are imported only as
+    pagedserve.<layer>, which the install maps to those folders from any directory."""
+    return [sys.executable, "-P", *args]
+
+
+def cli_command(*args: str) -> list[str]:
+    """`pagedserve <args>` in a child process."""
+    return python_command("-m", "pagedserve.cli", *args)
+
+
 @dataclass(slots=True)
 class LaunchConfig:
     # Model: a folder, a .gguf file, or None for the default model.
@@ -148,7 +164,7 @@ class Supervisor:
         self.children: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, name: str, args: Sequence[str]) -> None:
-        command = [sys.executable, "-m", "pagedserve.cli", *args]
+        command = cli_command(*args)
         log.info("starting", process=name, command=" ".join(command))
         process = subprocess.Popen(command, preexec_fn=_die_with_parent)
         self.children.append((name, process))

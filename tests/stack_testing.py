@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.grpc_utils import PLAINTEXT, TLSConfig, open_sync_channel
-from pagedserve.launcher import worker_threads
+from pagedserve.launcher import cli_command, worker_threads
 from pagedserve.proto import engine_pb2, engine_pb2_grpc
 
 LOOPBACK = "127.0.0.1"
@@ -52,7 +51,7 @@ def free_port() -> int:
 def _spawn(args: list[str], stdout: IO, stderr: IO | int, env: dict[str, str]) -> subprocess.Popen:
     # NOTE: its own session (process group), so stopping it also stops whatever it started.
     return subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.cli", *args],
+        cli_command(*args),
         stdout=stdout,
         stderr=stderr,
         start_new_session=True,

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pagedserve
+from pagedserve.launcher import python_command
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -47,14 +48,17 @@ def test_layers_import_from_their_top_level_folders():
 
 
 def test_transformers_never_takes_our_kernels_for_the_hub_package():
-    # Run from the repository root, where a bare `import kernels` could find our folder.
+    # From the repository root, where a bare `import kernels` could find our folder, as the launcher
+    # starts the services: transformers' hub integration imports the Hugging Face package of that name
+    # when it is installed (as transformers 5 requires), and must get that package or none.
     code = (
-        "from transformers.utils import is_kernels_available\n"
-        "import sys\n"
-        "assert not is_kernels_available(), 'transformers believes the kernels hub is installed'\n"
+        "import importlib.util, pathlib, sys\n"
+        "import transformers.integrations.hub_kernels\n"
+        "spec = importlib.util.find_spec('kernels')\n"
+        f"assert spec is None or pathlib.Path(spec.origin).parent != pathlib.Path({str(REPO / 'kernels')!r}), spec\n"
         "assert 'pagedserve.kernels' not in sys.modules\n"
     )
-    result = _run(sys.executable, "-c", code)
+    result = _run(*python_command("-c", code))
     assert result.returncode == 0, result.stderr
 
 
