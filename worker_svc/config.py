@@ -167,7 +167,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     #   decode, batch 16, context 512:  117.2 -> 104.0 ms
     #   prefill, 2 x 256 tokens:        745   -> 444 ms
     # Two threads win when the cores are free; when other processes share them, OpenMP's threads wait on
-    # each other and one thread is steadier (see README, Performance).
+    # each other and one thread is steadier (docs/performance.md: several workers on one machine).
     add(
         "--threads",
         int,
