@@ -11,7 +11,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import sysconfig
 from collections import Counter
 from pathlib import Path
@@ -34,6 +33,7 @@ from test_kernels_reference import (
 from test_model import FAMILIES, VOCAB, PagedCache, _hf_logits, _save_tiny_hf_model
 
 from pagedserve.kernels import CPU_KERNELS_ENV, cpu_ops, reference
+from pagedserve.launcher import python_command
 from pagedserve.worker_svc.loader import cpu_has_native_bf16, load_model
 
 
@@ -818,7 +818,7 @@ def test_linear_computes_every_block_when_openmp_starts_fewer_threads_than_asked
     # unwritten.
     env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", _FEWER_THREADS_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+        python_command("-c", _FEWER_THREADS_SCRIPT), env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import gc
 import subprocess
-import sys
 
 import pytest
 
+from pagedserve.launcher import python_command
 from pagedserve.sampling_params import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -15,7 +15,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 def test_import_pagedserve_does_not_import_torch():
     code = "import sys, pagedserve; assert 'torch' not in sys.modules; print(pagedserve.__version__)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(python_command("-c", code), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 from safetensors import safe_open
 
 from pagedserve import model_files
+from pagedserve.launcher import python_command
 from pagedserve.model_files import (
     default_gguf_path,
     load_generation_info,
@@ -141,7 +141,7 @@ def test_importing_model_files_does_not_import_torch():
         "import sys, pagedserve.model_files; "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported torch'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run(python_command("-c", code), check=True)
 
 
 @pytest.mark.slow
@@ -156,7 +156,7 @@ tokenizer = load_tokenizer(folder)
 assert tokenizer.chat_template and tokenizer("Paris")["input_ids"]
 assert load_generation_info(folder).eos_token_ids and model_name(folder) == "SmolLM2-135M-Instruct"
 """
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run(python_command("-c", code), check=True)
 
 
 def test_cache_key_follows_content_not_modification_time(tmp_path):
