@@ -122,7 +122,7 @@ class EngineStatsCollector(Collector):
                     lambda w: w.mean_step_seconds * w.num_steps,
                 ),
                 "worker_idle_seconds": (
-                    "Seconds the worker waited for its next plan after finishing one.",
+                    "Seconds the worker waited for its next plan after finishing one, at steady state.",
                     lambda w: w.mean_idle_seconds * w.num_steps,
                 ),
                 "worker_forward_seconds": (
@@ -131,8 +131,17 @@ class EngineStatsCollector(Collector):
                 ),
                 "worker_gap_seconds": (
                     "Seconds from the end of one step to the start of the next (worker_idle_seconds and "
-                    "the worker's hand-over of results and plans between its threads).",
+                    "the worker's hand-over of results and plans between its threads), at steady state.",
                     lambda w: w.mean_gap_seconds * w.num_steps,
+                ),
+                "worker_prepare_seconds": (
+                    "Seconds applying plans and building the model's inputs, before the forward passes.",
+                    lambda w: w.mean_prepare_seconds * w.num_steps,
+                ),
+                "worker_no_work_seconds": (
+                    "Seconds the worker had nothing to do because the scheduler had nothing to schedule "
+                    "(left out of worker_idle_seconds and worker_gap_seconds).",
+                    lambda w: w.mean_no_work_seconds * w.num_steps,
                 ),
             }
             for base, (doc, value) in per_worker.items():

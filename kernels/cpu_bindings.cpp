@@ -7,10 +7,16 @@
 
 namespace ps = pagedserve::cpu;
 
+// The calls that run long release the GIL (their arguments are converted before, their result after), so
+// another Python thread runs meanwhile: the worker's event loop writes the last step's result and reads the
+// next plan during a forward pass rather than after it. The short ones keep it: a release is cheap, but it
+// lets another thread take the GIL at each of them, which the step's Python would then wait for.
+using release_gil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pagedserve CPU kernels: paged attention and fused decoder ops";
   m.def("paged_attention_", &ps::paged_attention_,
-        "Causal attention of a flat token batch over the paged KV cache");
+        "Causal attention of a flat token batch over the paged KV cache", release_gil());
   m.def("decode_inputs", &ps::decode_inputs,
         "A decode step's input ids, slot mapping, block tables, query starts and context lengths");
   m.def("argmax_rows", &ps::argmax_rows, "Index of the largest value of each row (as torch.argmax)");
@@ -21,9 +27,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_write_kv_", &ps::rotary_write_kv_, "RoPE on q and k in place, then k and v into the cache");
   m.def("pack_linear_weight", &ps::pack_linear_weight,
         "Pack an nn.Linear weight [N, K] (bf16, or float32 where has_linear_f32) for linear");
-  m.def("linear", &ps::linear, "y = x @ W^T + bias with W packed by pack_linear_weight; n is W's N");
+  m.def("linear", &ps::linear, "y = x @ W^T + bias with W packed by pack_linear_weight; n is W's N",
+        release_gil());
   m.def("linear_silu", &ps::linear_silu,
-        "silu_mul(linear(x, packed, 2 * size, bias)) without the [..., 2 * size] intermediate");
+        "silu_mul(linear(x, packed, 2 * size, bias)) without the [..., 2 * size] intermediate",
+        release_gil());
   m.def("has_linear", &ps::has_linear, "Whether this build has linear (AVX-512 BF16, or AVX2 with FMA)");
   m.def("has_linear_f32", &ps::has_linear_f32, "Whether this build has linear for float32 (AVX2 with FMA)");
   m.def("prefetches_into_l2", &ps::prefetches_into_l2,
@@ -48,6 +56,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "forward over token ids and positions, with the embedding and RoPE table rows gathered here",
            py::arg("input_ids"), py::arg("positions"), py::arg("embedding"), py::arg("rope_table"),
            py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"),
-           py::arg("query_start_loc"), py::arg("context_lens"), py::arg("output_rows") = py::none())
+           py::arg("query_start_loc"), py::arg("context_lens"), py::arg("output_rows") = py::none(),
+           release_gil())
       .def_property_readonly("num_layers", &ps::DecoderStack::num_layers);
 }

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -4818,6 +4819,9 @@ class DecoderStack::Impl {
                                                             std::move(final_norm));
   }
   std::unique_ptr<StackBase> stack;
+  // NOTE: the bindings release the GIL through a forward pass (so the worker's event loop writes results and
+  // reads plans while it runs), and every pass uses the stack's one workspace: passes take turns.
+  std::mutex forward_mutex;
 };
 
 DecoderStack::DecoderStack(int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads,
@@ -4845,6 +4849,7 @@ at::Tensor DecoderStack::forward_tokens(const at::Tensor& input_ids, const at::T
                                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                         const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                                         const c10::optional<at::Tensor>& output_rows) const {
+  const std::lock_guard<std::mutex> turn(impl_->forward_mutex);
   return impl_->stack->forward_tokens(input_ids, positions, embedding, rope_table, k_caches, v_caches,
                                       slot_mapping, block_tables, query_start_loc, context_lens, output_rows);
 }

@@ -72,7 +72,7 @@ class Histogram(_message.Message):
     def __init__(self, bounds: _Optional[_Iterable[float]] = ..., cumulative_counts: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., sum: _Optional[float] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "address", "healthy", "num_blocks", "num_blocks_in_use", "num_cached_free_blocks", "num_running", "num_waiting", "num_steps", "mean_step_seconds", "mean_idle_seconds", "mean_forward_seconds", "mean_gap_seconds")
+    __slots__ = ("worker_id", "address", "healthy", "num_blocks", "num_blocks_in_use", "num_cached_free_blocks", "num_running", "num_waiting", "num_steps", "mean_step_seconds", "mean_idle_seconds", "mean_forward_seconds", "mean_gap_seconds", "mean_prepare_seconds", "mean_no_work_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,8 @@ class WorkerStats(_message.Message):
     MEAN_IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEAN_FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEAN_GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_PREPARE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_NO_WORK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     healthy: bool
@@ -99,7 +101,9 @@ class WorkerStats(_message.Message):
     mean_idle_seconds: float
     mean_forward_seconds: float
     mean_gap_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., num_blocks_in_use: _Optional[int] = ..., num_cached_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_step_seconds: _Optional[float] = ..., mean_idle_seconds: _Optional[float] = ..., mean_forward_seconds: _Optional[float] = ..., mean_gap_seconds: _Optional[float] = ...) -> None: ...
+    mean_prepare_seconds: float
+    mean_no_work_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., num_blocks_in_use: _Optional[int] = ..., num_cached_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_step_seconds: _Optional[float] = ..., mean_idle_seconds: _Optional[float] = ..., mean_forward_seconds: _Optional[float] = ..., mean_gap_seconds: _Optional[float] = ..., mean_prepare_seconds: _Optional[float] = ..., mean_no_work_seconds: _Optional[float] = ...) -> None: ...
 
 class EngineStats(_message.Message):
     __slots__ = ("num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "requests_finished", "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds", "queue_time_seconds", "num_blocks_in_use", "workers")

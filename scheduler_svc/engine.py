@@ -451,6 +451,8 @@ class Engine:
                     mean_idle_seconds=worker.counters.mean_idle_seconds,
                     mean_forward_seconds=worker.counters.mean_forward_seconds,
                     mean_gap_seconds=worker.counters.mean_gap_seconds,
+                    mean_prepare_seconds=worker.counters.mean_prepare_seconds,
+                    mean_no_work_seconds=worker.counters.mean_no_work_seconds,
                 )
             )
             if worker.healthy:

@@ -64,19 +64,31 @@ class WorkerCounters:
     step_seconds: float = 0.0
     # The forward passes' share of step_seconds.
     forward_seconds: float = 0.0
-    # Seconds the worker waited for a plan, summed over the steps.
+    # Seconds applying plans and building inputs before the forward passes.
+    prepare_seconds: float = 0.0
+    # Seconds the worker waited for a plan, summed over the steps (at steady state: see no_work_seconds).
     idle_seconds: float = 0.0
-    # Seconds from the end of one step to the start of the next (the idle seconds and the hand-over).
+    # Seconds from the end of one step to the start of the next (the idle seconds and the hand-over), at
+    # steady state.
     gap_seconds: float = 0.0
+    # The gaps before the steps planned after the scheduler ran out of work: the worker waited for requests,
+    # not for the scheduler, so these are left out of idle_seconds and gap_seconds.
+    no_work_seconds: float = 0.0
     # Tokens computed, summed over the steps.
     num_tokens: int = 0
 
-    def observe(self, timings: worker_pb2.StepTimings) -> None:
+    def observe(self, timings: worker_pb2.StepTimings, after_no_work: bool = False) -> None:
+        """Count a step's timings; `after_no_work`: its plan was the first after the scheduler had nothing
+        to schedule and no plan in flight."""
         self.num_steps += 1
         self.step_seconds += timings.forward_seconds + timings.sample_seconds
         self.forward_seconds += timings.forward_seconds
-        self.idle_seconds += timings.idle_seconds
-        self.gap_seconds += timings.gap_seconds
+        self.prepare_seconds += timings.prepare_seconds
+        if after_no_work:
+            self.no_work_seconds += timings.gap_seconds
+        else:
+            self.idle_seconds += timings.idle_seconds
+            self.gap_seconds += timings.gap_seconds
         self.num_tokens += timings.num_tokens
 
     def _per_step(self, seconds: float) -> float:
@@ -97,6 +109,14 @@ class WorkerCounters:
     @property
     def mean_gap_seconds(self) -> float:
         return self._per_step(self.gap_seconds)
+
+    @property
+    def mean_prepare_seconds(self) -> float:
+        return self._per_step(self.prepare_seconds)
+
+    @property
+    def mean_no_work_seconds(self) -> float:
+        return self._per_step(self.no_work_seconds)
 
 
 @dataclass(slots=True)

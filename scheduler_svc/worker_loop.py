@@ -150,8 +150,12 @@ class WorkerEngine:
 
     async def _step_loop(self) -> None:
         call = self.stub.Steps()
-        # (scheduler output, step span) of each plan sent whose result has not come back, in order.
+        # (scheduler output, step span, whether it came after a wait for work) of each plan sent whose
+        # result has not come back, in order.
         in_flight: deque = deque()
+        # Whether the loop last waited with no plan in flight and nothing to schedule: the worker's gap before
+        # the next plan is then a wait for requests, which its counters keep apart from the steady state.
+        waited_for_work = False
         max_inflight = self.engine.config.max_inflight_plans
         scheduler, plan_builder = self.scheduler, self.plan_builder
         pending_read: asyncio.Future | None = None
@@ -173,13 +177,15 @@ class WorkerEngine:
                         },
                     )
                     await call.write(plan)
-                    in_flight.append((output, span))
+                    in_flight.append((output, span, waited_for_work))
+                    waited_for_work = False
                     self.engine.on_scheduled(self, output)
                 # NOTE: one read is always pending, even while idle, so a worker that dies between
                 # requests is noticed at once (its stream ends) rather than at the next plan.
                 if pending_read is None:
                     pending_read = asyncio.ensure_future(call.read())
                 if not in_flight:
+                    waited_for_work = True
                     wakeup = asyncio.ensure_future(self.wakeup.wait())
                     done, _ = await asyncio.wait({pending_read, wakeup}, return_when=asyncio.FIRST_COMPLETED)
                     if pending_read not in done:
@@ -191,13 +197,13 @@ class WorkerEngine:
                 pending_read = None
                 if result is grpc.aio.EOF:
                     raise WorkerLost("the worker closed its Steps stream")
-                output, span = in_flight.popleft()
+                output, span, after_no_work = in_flight.popleft()
                 span.end()
-                self.counters.observe(result.timings)
+                self.counters.observe(result.timings, after_no_work)
                 outputs = scheduler.update_from_output(output, result)
                 self.engine.deliver(self, output, result, outputs)
         finally:
-            for _, span in in_flight:
+            for _, span, _ in in_flight:
                 span.end()
             if pending_read is not None:
                 pending_read.cancel()

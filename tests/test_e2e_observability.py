@@ -172,8 +172,11 @@ def test_bench_serve_prints_how_long_the_worker_waited_between_steps(
     )  # fmt: skip
     assert code == 0
     out = capsys.readouterr().out
-    assert "worker idle between steps:" in out and "of the step time; forward pass " in out
-    assert "from the end of one step to the start of the next" in out
+    assert "worker between forward passes: " in out and "of the step (forward pass " in out
+    assert (
+        "idle waiting for a plan, the next step's inputs " in out
+        and "with nothing to schedule left out" in out
+    )
     worker = json.loads((tmp_path / "run.json").read_text())["passes"][0]["worker"]
     assert worker is not None, "the stack's /metrics lacks a pagedserve:worker_* counter"
     # Two requests of 8 tokens take at least 8 steps; the counters behind it are /metrics' own.
@@ -181,6 +184,27 @@ def test_bench_serve_prints_how_long_the_worker_waited_between_steps(
     # The forward passes are the step less sampling; the gaps hold the idle time and more.
     assert 0 < worker["forward_seconds"] < worker["step_seconds"]
     assert worker["gap_seconds"] >= worker["idle_seconds"] and worker["gap_seconds"] > 0
+    assert worker["prepare_seconds"] > 0 and worker["no_work_seconds"] >= 0
     after = stack.scrape()
     steps = [k for k in after if k.startswith("pagedserve:worker_steps_total[worker_id=")]
     assert steps and sum(after[k] - before.get(k, 0.0) for k in steps) >= worker["steps"]
+
+
+def test_a_wait_for_requests_is_not_counted_as_the_worker_waiting_for_the_scheduler(stack: Stack):
+    def total(scrape: dict[str, float], name: str) -> float:
+        return sum(v for k, v in scrape.items() if k.startswith(f"pagedserve:{name}_total[worker_id="))
+
+    def ask() -> None:
+        stack.client.completions.create(model=MODEL, prompt="Paris is", max_tokens=4, temperature=0)
+
+    stack.wait_idle()
+    ask()
+    before = stack.scrape()
+    time.sleep(1.5)  # nothing to schedule: the worker waits for the next request
+    ask()
+    after = stack.scrape()
+    # The wait is the gap before the next request's first step, counted apart from the steady state's.
+    assert total(after, "worker_no_work_seconds") - total(before, "worker_no_work_seconds") >= 1.5
+    assert total(after, "worker_gap_seconds") - total(before, "worker_gap_seconds") < 0.5
+    assert total(after, "worker_idle_seconds") - total(before, "worker_idle_seconds") < 0.5
+    assert total(after, "worker_prepare_seconds") > total(before, "worker_prepare_seconds")

@@ -65,18 +65,42 @@ def test_worker_counters_average_step_forward_idle_and_gap_time():
     c = WorkerCounters()
     c.observe(
         worker_pb2.StepTimings(
-            idle_seconds=0.5, gap_seconds=0.6, forward_seconds=0.2, sample_seconds=0.1, num_tokens=3
+            idle_seconds=0.5,
+            gap_seconds=0.6,
+            prepare_seconds=0.05,
+            forward_seconds=0.2,
+            sample_seconds=0.1,
+            num_tokens=3,
         )
     )
     c.observe(
         worker_pb2.StepTimings(
-            idle_seconds=0.0, gap_seconds=0.2, forward_seconds=0.4, sample_seconds=0.1, num_tokens=1
+            idle_seconds=0.0,
+            gap_seconds=0.2,
+            prepare_seconds=0.15,
+            forward_seconds=0.4,
+            sample_seconds=0.1,
+            num_tokens=1,
         )
     )
     assert c.mean_step_seconds == pytest.approx(0.4)
     assert c.mean_forward_seconds == pytest.approx(0.3)
+    assert c.mean_prepare_seconds == pytest.approx(0.1)
     assert c.mean_idle_seconds == pytest.approx(0.25)
     assert c.mean_gap_seconds == pytest.approx(0.4)
+    assert c.mean_no_work_seconds == 0.0
+
+
+def test_worker_counters_keep_a_wait_for_requests_out_of_the_steady_state():
+    c = WorkerCounters()
+    c.observe(worker_pb2.StepTimings(idle_seconds=0.01, gap_seconds=0.02, forward_seconds=0.1))
+    # The first step planned after the scheduler had nothing to do: its gap is the wait for a request.
+    c.observe(
+        worker_pb2.StepTimings(idle_seconds=2.0, gap_seconds=2.5, forward_seconds=0.1), after_no_work=True
+    )
+    assert c.num_steps == 2 and c.mean_forward_seconds == pytest.approx(0.1)
+    assert c.idle_seconds == pytest.approx(0.01) and c.gap_seconds == pytest.approx(0.02)
+    assert c.no_work_seconds == pytest.approx(2.5)
 
 
 def test_config_flags_win_over_environment_over_defaults():

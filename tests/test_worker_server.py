@@ -128,9 +128,9 @@ async def test_the_model_loads_on_the_thread_that_runs_every_step(model_dir, mon
     runner = server.loaded.runner
     execute = runner.execute
 
-    def traced_execute(*args):
+    def traced_execute(*args, **kwargs):
         threads["steps"].add(threading.get_ident())
-        return execute(*args)
+        return execute(*args, **kwargs)
 
     runner.execute = traced_execute
     results = await serve_two_steps(server)
@@ -149,10 +149,10 @@ async def test_the_next_step_starts_as_the_previous_one_ends_even_while_the_even
     runner = server.loaded.runner
     execute, on_step = runner.execute, server.servicer.spans.on_step
 
-    def slow_first_step(plan, *args):
+    def slow_first_step(plan, *args, **kwargs):
         if plan.step_id == 1:
             time.sleep(0.2)
-        return execute(plan, *args)
+        return execute(plan, *args, **kwargs)
 
     def busy_loop(plan, *args):
         if plan.step_id == 1:
@@ -165,6 +165,78 @@ async def test_the_next_step_starts_as_the_previous_one_ends_even_while_the_even
     assert [r.step_id for r in results] == [1, 2]
     assert results[1].timings.idle_seconds == 0.0  # the plan was there before the step before it ended
     assert results[1].timings.gap_seconds < 0.15
+
+
+@pytest.mark.anyio
+async def test_a_result_is_written_while_the_next_step_computes_not_after_it(model_dir):
+    # Plan 2 is queued while step 1 runs, so step 1's result is handed over at step 2's forward pass (see
+    # _ResultHandOver), which here takes 0.4 s: the result must reach the scheduler early in it.
+    server = await WorkerServer.load(worker_config(model_dir), max_register_backoff=0.5)
+    runner = server.loaded.runner
+    execute, forward = runner.execute, runner.model.forward
+
+    def slow_first_step(plan, *args, **kwargs):
+        if plan.step_id == 1:
+            time.sleep(0.2)  # plan 2 arrives meanwhile
+        return execute(plan, *args, **kwargs)
+
+    def slow_forward(*args, **kwargs):
+        if runner.last_step_id == 1:
+            time.sleep(0.4)
+        return forward(*args, **kwargs)
+
+    runner.execute = slow_first_step
+    runner.model.forward = slow_forward
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as ch:
+            arrivals = []
+            async for result in worker_pb2_grpc.WorkerStub(ch).Steps(iter([first_plan(), decode_plan(2)])):
+                arrivals.append((result.step_id, time.perf_counter()))
+    finally:
+        await server.stop(grace=None)
+    assert [step for step, _ in arrivals] == [1, 2]
+    assert arrivals[1][1] - arrivals[0][1] > 0.3
+
+
+@pytest.mark.anyio
+async def test_the_result_hand_over_holds_a_result_only_while_a_next_step_is_queued():
+    loop = asyncio.get_running_loop()
+    hand_over = worker_server._ResultHandOver(loop)
+    first, second, third = loop.create_future(), loop.create_future(), loop.create_future()
+
+    async def settle() -> None:
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    # Nothing queued: a step's result goes at once.
+    hand_over.queued()
+    hand_over.started()
+    hand_over.finished(first, "one")
+    await settle()
+    assert first.result() == "one"
+    # A step queued behind: the result waits for that step's forward pass (flush) ...
+    hand_over.queued()
+    hand_over.started()
+    hand_over.queued()
+    hand_over.finished(second, "two")
+    await settle()
+    assert not second.done()
+    hand_over.started()
+    hand_over.flush()
+    await settle()
+    assert second.result() == "two"
+    # ... or for its end, and always before that step's own result.
+    hand_over.queued()
+    hand_over.finished(third, "three")  # held: a step is queued
+    fourth = loop.create_future()
+    hand_over.started()
+    hand_over.finished(fourth, "four")  # no forward pass in that step: the held result first
+    order = []
+    third.add_done_callback(lambda f: order.append(f.result()))
+    fourth.add_done_callback(lambda f: order.append(f.result()))
+    await settle()
+    assert order == ["three", "four"]
 
 
 @pytest.mark.anyio

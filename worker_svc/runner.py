@@ -9,7 +9,7 @@ slot mapping and block tables come from a few fancy-indexing gathers instead of 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,9 +91,16 @@ class ModelRunner:
         self._idle_since = None
 
     @torch.inference_mode()
-    def execute(self, plan: worker_pb2.StepPlan, received_at: float | None = None) -> worker_pb2.StepResult:
+    def execute(
+        self,
+        plan: worker_pb2.StepPlan,
+        received_at: float | None = None,
+        before_forward: Callable[[], None] | None = None,
+    ) -> worker_pb2.StepResult:
         """Validate, apply and run one plan. `received_at` (time.perf_counter()) is when the plan
-        arrived, for the idle time; default: now."""
+        arrived, for the idle time; default: now. `before_forward`, if given, is called once the plan
+        is valid and the model's inputs are built, right before the forward pass (not at all for a plan
+        without tokens to compute, nor for a refused one)."""
         t0 = time.perf_counter()
         received_at = t0 if received_at is None else received_at
         idle = 0.0 if self._idle_since is None else max(0.0, received_at - self._idle_since)
@@ -112,6 +119,8 @@ class ModelRunner:
             if prompt_rows or len(sample_idx) != batch.num_tokens:
                 rows = [batch.query_start_loc[1:][sample_idx] - 1, *(r for _, r in prompt_rows)]
                 output_rows = _tensor(np.concatenate(rows).astype(np.int64, copy=False), self.device)
+            if before_forward is not None:
+                before_forward()
             t1 = time.perf_counter()
             hidden = self.model(input_ids, positions, attn, self._kv_layers, output_rows)
             logits = self.model.compute_logits(hidden)

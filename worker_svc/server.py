@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -121,6 +122,68 @@ def compute_thread() -> ThreadPoolExecutor:
 _END = object()
 
 
+class _ResultHandOver:
+    """When the compute thread hands a step's result to the event loop.
+
+    The loop's part of a step (writing the result, reading plans) is Python and holds the GIL; woken the
+    moment a step ends, it would run while the compute thread applies the next plan, which then waits for
+    it. So while a next plan is already queued, a step's result is handed over from that next step, right
+    before its forward pass, where the kernels release the GIL: the loop writes it while the model runs.
+    With no plan queued it goes at once. Results keep their order: one waits at most for the next step's
+    inputs, and a step's own result never goes before the one held from the step before it.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._queued = 0  # plans submitted to the compute thread and not started
+        self._held: tuple[asyncio.Future, object] | None = None  # a finished step's result, not handed over
+
+    def queued(self) -> None:
+        """On the loop: a plan is submitted."""
+        with self._lock:
+            self._queued += 1
+
+    def started(self) -> None:
+        """On the compute thread: a step starts."""
+        with self._lock:
+            self._queued -= 1
+
+    def finished(self, done: asyncio.Future, value: object) -> None:
+        """On the compute thread: the step of `done` ended with `value`; hand it over now or hold it."""
+        self.flush()
+        with self._lock:
+            hold = self._queued > 0
+        if hold:
+            self._held = (done, value)
+        else:
+            self._post(_set_result, done, value)
+
+    def fail(self, done: asyncio.Future, error: Exception) -> None:
+        self._post(_set_exception, done, error)
+
+    def flush(self) -> None:
+        """On the compute thread: hand over the held result, if any."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._post(_set_result, *held)
+
+    def _post(self, callback, *args) -> None:
+        # NOTE: a step may end after the server's loop has closed (a shutdown mid-step): nobody waits for it.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(callback, *args)
+
+
+def _set_result(future: asyncio.Future, value: object) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner, info: worker_pb2.ModelInfo, executor: ThreadPoolExecutor):
         self.runner = runner
@@ -140,11 +203,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         # The steps submitted to the compute thread, in step order, until their results are written.
         steps: asyncio.Queue = asyncio.Queue()
+        hand_over = _ResultHandOver(loop)
 
-        def step(plan: worker_pb2.StepPlan, received_at: float) -> tuple[worker_pb2.StepResult, int, int]:
+        def step(plan: worker_pb2.StepPlan, received_at: float, done: asyncio.Future) -> None:
+            hand_over.started()
             started_ns = time.time_ns()
-            result = self.runner.execute(plan, received_at)
-            return result, started_ns, time.time_ns()
+            try:
+                result = self.runner.execute(plan, received_at, before_forward=hand_over.flush)
+            except Exception as error:
+                hand_over.flush()
+                hand_over.fail(done, error)
+                return
+            hand_over.finished(done, (result, started_ns, time.time_ns()))
 
         async def read() -> None:
             # NOTE: each plan goes to the compute thread the moment it arrives, so the thread starts it
@@ -153,20 +223,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # (its step id then follows no applied plan), so nothing runs past a broken plan.
             try:
                 async for plan in request_iterator:
-                    steps.put_nowait(
-                        (plan, loop.run_in_executor(self.executor, step, plan, time.perf_counter()))
-                    )
+                    # The step's result comes through `done` (see _ResultHandOver); the executor's own future
+                    # serves to cancel a step that has not started.
+                    done = loop.create_future()
+                    hand_over.queued()
+                    submitted = self.executor.submit(step, plan, time.perf_counter(), done)
+                    steps.put_nowait((plan, done, submitted))
             finally:
-                steps.put_nowait((_END, None))
+                steps.put_nowait((_END, None, None))
 
         reader = asyncio.create_task(read())
         try:
             while True:
-                plan, future = await steps.get()
+                plan, done, _ = await steps.get()
                 if plan is _END:
                     return
                 try:
-                    result, started_ns, ended_ns = await future
+                    result, started_ns, ended_ns = await done
                 except PlanError as error:
                     log.warning("plan_refused", step_id=plan.step_id, error=error.message)
                     await context.abort(error.grpc_code, error.message)
@@ -182,9 +255,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 await reader
             # Steps not started yet never run; one running finishes, its result unread.
             while not steps.empty():
-                _, future = steps.get_nowait()
-                if future is not None:
-                    future.cancel()
+                _, done, submitted = steps.get_nowait()
+                if submitted is not None:
+                    submitted.cancel()
+                    done.cancel()
 
     async def Reset(self, request: worker_pb2.ResetRequest, context) -> worker_pb2.ModelInfo:
         await self._run(self.runner.reset)

@@ -48,11 +48,15 @@ class WorkerTime:
 
     steps: float = 0.0
     step_seconds: float = 0.0  # forward pass and sampling
-    idle_seconds: float = 0.0  # waiting for the next plan after finishing one
+    idle_seconds: float = 0.0  # waiting for the next plan after finishing one, at steady state
     forward_seconds: float | None = None  # the forward passes' share of step_seconds (None: not exposed)
-    # From the end of one step to the start of the next: the idle seconds and the worker's hand-over of
-    # results and plans between its threads (None: not exposed).
+    # From the end of one step to the start of the next at steady state: the idle seconds and the worker's
+    # hand-over of results and plans between its threads (None: not exposed).
     gap_seconds: float | None = None
+    prepare_seconds: float | None = None  # applying plans and building inputs (None: not exposed)
+    # Waits with nothing to schedule (no requests), left out of idle_seconds and gap_seconds (None: not
+    # exposed, and then in them).
+    no_work_seconds: float | None = None
 
     def __sub__(self, other: WorkerTime) -> WorkerTime:
         def optional(mine: float | None, theirs: float | None) -> float | None:
@@ -64,22 +68,34 @@ class WorkerTime:
             self.idle_seconds - other.idle_seconds,
             optional(self.forward_seconds, other.forward_seconds),
             optional(self.gap_seconds, other.gap_seconds),
+            optional(self.prepare_seconds, other.prepare_seconds),
+            optional(self.no_work_seconds, other.no_work_seconds),
         )
 
     def describe(self) -> str:
+        """One line: how long the worker went from one forward pass to the next, and what took that time."""
         if self.steps <= 0:
             return "worker idle between steps: no steps"
-        step_ms, idle_ms = self.step_seconds / self.steps * 1e3, self.idle_seconds / self.steps * 1e3
-        forward = ""
-        if self.forward_seconds is not None:
-            forward = f"; forward pass {self.forward_seconds / self.steps * 1e3:.1f} ms a step"
-        gap = ""
-        if self.gap_seconds is not None:
-            gap_ms = self.gap_seconds / self.steps * 1e3
-            gap = f"; {gap_ms:.2f} ms ({gap_ms / step_ms:.1%}) from the end of one step to the start of the next"
+        per_step = 1e3 / self.steps  # seconds in all -> ms a step
+        step_ms, idle_ms = self.step_seconds * per_step, self.idle_seconds * per_step
+        if self.forward_seconds is None or self.gap_seconds is None or self.prepare_seconds is None:
+            # A server with the basic counters alone.
+            return (
+                f"worker idle between steps: {idle_ms:.2f} ms per step against {step_ms:.1f} ms steps "
+                f"({idle_ms / step_ms:.1%} of the step time; {self.steps:.0f} steps)"
+            )
+        forward_ms = self.forward_seconds * per_step
+        sample_ms, gap_ms = step_ms - forward_ms, self.gap_seconds * per_step
+        prepare_ms = self.prepare_seconds * per_step
+        between_ms = sample_ms + gap_ms + prepare_ms
+        no_work = ""
+        if self.no_work_seconds is not None:
+            no_work = f"; {self.no_work_seconds:.2f} s with nothing to schedule left out"
         return (
-            f"worker idle between steps: {idle_ms:.2f} ms per step against {step_ms:.1f} ms steps "
-            f"({idle_ms / step_ms:.1%} of the step time{forward}{gap}; {self.steps:.0f} steps)"
+            f"worker between forward passes: {between_ms:.2f} ms a step, {between_ms / (forward_ms + between_ms):.1%} "
+            f"of the step (forward pass {forward_ms:.2f} ms; sampling {sample_ms:.2f}, hand-over {gap_ms:.2f} "
+            f"of which {idle_ms:.2f} idle waiting for a plan, the next step's inputs {prepare_ms:.2f}; "
+            f"{self.steps:.0f} steps{no_work})"
         )
 
 
@@ -110,6 +126,8 @@ def scrape_worker_time(base_url: str, api_key: str | None = None) -> WorkerTime 
         "pagedserve:worker_idle_seconds": "idle_seconds",
         "pagedserve:worker_forward_seconds": "forward_seconds",
         "pagedserve:worker_gap_seconds": "gap_seconds",
+        "pagedserve:worker_prepare_seconds": "prepare_seconds",
+        "pagedserve:worker_no_work_seconds": "no_work_seconds",
     }
     found, total = set(), WorkerTime()
     for family in text_string_to_metric_families(response.text):
