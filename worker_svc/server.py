@@ -160,6 +160,8 @@ class _ResultHandOver:
             self._post(_set_result, done, value)
 
     def fail(self, done: asyncio.Future, error: Exception) -> None:
+        """On the compute thread: the step of `done` raised `error`; hand it over after the held result."""
+        self.flush()
         self._post(_set_exception, done, error)
 
     def flush(self) -> None:
@@ -211,7 +213,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             try:
                 result = self.runner.execute(plan, received_at, before_forward=hand_over.flush)
             except Exception as error:
-                hand_over.flush()
                 hand_over.fail(done, error)
                 return
             hand_over.finished(done, (result, started_ns, time.time_ns()))
