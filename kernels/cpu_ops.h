@@ -22,7 +22,10 @@ std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, 
                                       double scale, int64_t max_pairs, int64_t min_tile_lanes);
 at::Tensor argmax_rows(const at::Tensor& x);
 std::vector<at::Tensor> decode_inputs(const at::Tensor& token_ids, const at::Tensor& block_tables,
-                                      const at::Tensor& slots, const at::Tensor& start, int64_t block_size);
+                                      const std::vector<int64_t>& slots, const std::vector<int64_t>& start,
+                                      int64_t block_size);
+std::vector<int64_t> argmax_append_(const at::Tensor& logits, at::Tensor& token_ids,
+                                    const std::vector<int64_t>& slots, const std::vector<int64_t>& positions);
 void copy_blocks_(const std::vector<at::Tensor>& caches, const at::Tensor& src, const at::Tensor& dst);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);

@@ -35,6 +35,7 @@ from pagedserve.kernels.reference import write_kv
 __all__ = [
     "add_rms_norm_",
     "argmax",
+    "argmax_append_",
     "copy_blocks",
     "decode_inputs",
     "decoder_stack",
@@ -185,15 +186,24 @@ def rotary_write_kv_(
 def decode_inputs(
     token_ids: torch.Tensor,
     block_tables: torch.Tensor,
-    slots: torch.Tensor,
-    start: torch.Tensor,
+    slots: list[int],
+    start: list[int],
     block_size: int,
 ) -> list[torch.Tensor]:
     """A decode step's inputs from a runner's per-slot arrays (token_ids int64 [rows, tokens],
     block_tables int32 [rows, blocks]): sequence i (slot slots[i]) computes its token at position
-    start[i]. Returns [input_ids int64 [S], slot_mapping int64 [S], block_tables int32 [S, max_blocks],
-    query_start_loc int32 [S + 1], context_lens int32 [S]] (see ModelRunner._model_inputs)."""
+    start[i]. Returns [input_ids int64 [S], positions int64 [S], slot_mapping int64 [S], block_tables
+    int32 [S, max_blocks], query_start_loc int32 [S + 1], context_lens int32 [S]] (see
+    ModelRunner._model_inputs)."""
     return load().decode_inputs(token_ids, block_tables, slots, start, block_size)
+
+
+def argmax_append_(
+    logits: torch.Tensor, token_ids: torch.Tensor, slots: list[int], positions: list[int]
+) -> list[int]:
+    """The argmax of each row of logits [S, V] (float32 or bf16, as argmax), written into token_ids
+    (int64 [rows, tokens]) at [slots[i], positions[i]], and returned: a greedy decode step's tokens."""
+    return load().argmax_append_(logits, token_ids, slots, positions)
 
 
 _ARGMAX_DTYPES = (torch.float32, torch.bfloat16)

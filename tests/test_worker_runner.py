@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 from worker_testing import (
@@ -23,7 +24,7 @@ from worker_testing import (
 
 from pagedserve.proto import worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec
-from pagedserve.worker_svc.runner import ModelRunner, PlanError
+from pagedserve.worker_svc.runner import ModelRunner, PlanError, _Batch
 
 NUM_BLOCKS = 32
 BLOCK_SIZE = 4
@@ -253,19 +254,19 @@ def test_a_decode_steps_inputs_from_the_cpu_kernels_are_the_general_paths(model_
     runner = make_runner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     if runner._decode_inputs is None:
         pytest.skip("the C++ CPU kernels are not the ops here")
-    calls = []
     kernel = runner._decode_inputs
-    runner._decode_inputs = lambda *args: calls.append(args) or kernel(*args)
     steps = []
 
-    def both(b):  # the runner's inputs as it computes them, and as its numpy path does
-        fast = ModelRunner._model_inputs(runner, b)
-        saved, runner._decode_inputs = runner._decode_inputs, None
-        steps.append((fast, ModelRunner._model_inputs(runner, b)))
-        runner._decode_inputs = saved
-        return fast
+    def both(token_ids, block_tables, slots, start, block_size):  # the kernel's inputs, and the numpy path's
+        got = kernel(token_ids, block_tables, slots, start, block_size)
+        n = len(slots)
+        batch = _Batch(np.array(slots), np.ones(n, np.int64), np.array(start), np.arange(n + 1), n)
+        runner._decode_inputs = None
+        steps.append((got, ModelRunner._model_inputs(runner, batch)))
+        runner._decode_inputs = both
+        return got
 
-    runner._model_inputs = both
+    runner._decode_inputs = both
     # Slots out of order, one past the arrays' first rows (they grow, and the kernel must read the new
     # ones); contexts ending on a block's edge (slot 0 takes a new block), mid-block, and in a longer table.
     prompts = {11: list(range(3, 10)), 0: list(range(20, 24)), 5: list(range(40, 49))}
@@ -279,19 +280,76 @@ def test_a_decode_steps_inputs_from_the_cpu_kernels_are_the_general_paths(model_
     )
     runner.execute(plan(2, [(11, 1, []), (0, 1, [1]), (5, 1, [])]))
     runner.execute(plan(3, [(5, 1, []), (11, 1, [9])]))
-    assert len(calls) == 2 and len(steps) == 3  # the prompt step took the numpy path alone
-    for (ids, positions, attn), (ids_np, positions_np, attn_np) in steps[1:]:
+    assert len(steps) == 2  # the prompt step took the numpy path alone
+    for (ids, positions, *kernel_attn), (ids_np, positions_np, attn_np) in steps:
         for got, want in [
             (ids, ids_np),
             (positions, positions_np),
-            (attn.slot_mapping, attn_np.slot_mapping),
-            (attn.block_tables, attn_np.block_tables),
-            (attn.query_start_loc, attn_np.query_start_loc),
-            (attn.context_lens, attn_np.context_lens),
+            *zip(
+                kernel_attn,
+                [attn_np.slot_mapping, attn_np.block_tables, attn_np.query_start_loc, attn_np.context_lens],
+                strict=True,
+            ),
         ]:
             assert got.dtype == want.dtype and torch.equal(got, want)
-        assert attn.max_query_len == attn_np.max_query_len == 1
-    assert steps[1][0][2].slot_mapping.tolist() == [5 * 4 + 3, 1 * 4 + 0, 8 * 4 + 1]
+        assert attn_np.max_query_len == 1
+    assert steps[0][0][2].tolist() == [5 * 4 + 3, 1 * 4 + 0, 8 * 4 + 1]  # the slot mapping
+
+
+def _parity_plans():
+    """Steps through the plain decode path and out of it: greedy decodes taking new blocks, a sampled
+    request with logprobs joining (its seed makes both runners draw alike) and leaving again, a
+    preemption, and 1-token steps that sample nothing (a prompt's chunk)."""
+    sampled = new_request(2, [7, 8, 9], temperature=0.9, top_p=0.8, seed=11, logprobs=2)
+    chunked = new_request(3, [30, 31, 32, 33, 34], num_computed_tokens=2)
+    return [
+        first_plan(),  # A (6 tokens, 7 after it) in blocks 0, 1 and B (5, then 6) in 2, 3: 8 tokens each
+        decode_plan(2),
+        plan(3, [(0, 1, []), (1, 1, [4])]),  # A fills its 8; B takes a block early
+        plan(4, [(0, 1, [5]), (1, 1, [])]),
+        plan(5, [(0, 1, []), (1, 1, []), (2, 3, [6])], new_requests=[sampled]),
+        plan(6, [(2, 1, []), (0, 1, []), (1, 1, [])]),  # a plain decode with the sampler's rows
+        plan(7, [(0, 1, []), (2, 1, [7]), (1, 1, [])]),
+        plan(8, [(0, 1, [8]), (1, 1, [])], finished_slots=[2]),
+        plan(9, [(1, 1, [9]), (0, 1, [])]),  # greedy again: the argmax kernel
+        plan(10, [(0, 1, []), (3, 1, [10])], new_requests=[chunked]),  # token 3 of 5: no sample
+        plan(11, [(3, 1, []), (0, 1, [])], preempted_slots=[1]),  # token 4 of 5: no sample either
+        plan(12, [(3, 1, [11]), (0, 1, [12])]),  # slot 3's last prompt token: it samples
+        plan(13, [(3, 1, []), (0, 1, [])]),
+    ]
+
+
+def test_the_plain_decode_path_gives_the_general_paths_state_and_results(model_dir):
+    fast = make_runner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    if fast._decode_inputs is None:
+        pytest.skip("the C++ CPU kernels are not the ops here")
+    general = make_runner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    general._argmax_append = None  # no plain decode path
+    taken = []
+    execute_decode = fast._execute_decode
+    fast._execute_decode = lambda plan, *args: taken.append(plan.step_id) or execute_decode(plan, *args)
+    for step in _parity_plans():
+        got, want = fast.execute(step), general.execute(step)
+        got.ClearField("timings")
+        want.ClearField("timings")
+        assert got == want, f"step {step.step_id}"
+        assert snapshot(fast) == snapshot(general), f"step {step.step_id}"
+        assert np.array_equal(fast.token_ids, general.token_ids)
+    assert taken == [2, 3, 4, 6, 7, 9, 12, 13]
+    assert list(got.sampled_slots) == [3, 0]
+
+
+def test_the_plain_decode_path_grows_the_token_ids_for_the_sampled_token(model_dir):
+    runner = make_runner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    if runner._decode_inputs is None:
+        pytest.skip("the C++ CPU kernels are not the ops here")
+    runner.execute(first_plan())
+    # A's 7 tokens fill a row of 7: its next sampled token needs a wider one.
+    runner.token_ids = runner.token_ids[:, :7].copy()
+    runner._share_arrays()
+    runner.execute(decode_plan(2))
+    assert runner.token_ids.shape[1] > 8 and runner.slots[0].num_tokens == 8
+    assert runner.tokens(0)[:7] == [*PROMPT_A, runner.slots[0].sampling.output_token_ids[0]]
 
 
 # ---- validation: a broken plan is refused whole and changes nothing ----------------------------

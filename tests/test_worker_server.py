@@ -116,7 +116,7 @@ async def test_steps_stream_returns_one_result_per_plan_in_order(model_dir):
 async def test_the_model_loads_on_the_thread_that_runs_every_step(model_dir, monkeypatch):
     # One thread opens every OpenMP parallel region of the process: a second thread that did (the load)
     # would keep a second team of OpenMP threads, and libgomp would then all but stop spinning between
-    # regions (see server.compute_thread).
+    # regions (see server.ComputeThread).
     threads: dict[str, set[int]] = {"load": set(), "steps": set()}
 
     def load(config):
@@ -237,6 +237,35 @@ async def test_the_result_hand_over_holds_a_result_only_while_a_next_step_is_que
     fourth.add_done_callback(lambda f: order.append(f.result()))
     await settle()
     assert order == ["three", "four"]
+
+
+def test_the_compute_thread_runs_calls_in_order_on_one_thread_and_ends_after_the_queued_ones():
+    thread = worker_server.ComputeThread()
+    ran: list[tuple[str, int]] = []
+    gate = threading.Event()
+    thread.post(gate.wait)  # holds the thread while calls queue up behind it
+    thread.post(lambda: ran.append(("posted", threading.get_ident())))
+    square = thread.submit(lambda x: ran.append(("submitted", threading.get_ident())) or x * x, 7)
+
+    def broken():
+        raise ValueError("bad call")
+
+    failed = thread.submit(broken)
+    thread.post(broken)  # logged; the thread goes on
+    last = thread.submit(lambda: ran.append(("last", threading.get_ident())))
+    thread.shutdown(wait=False)
+    with pytest.raises(RuntimeError, match="shut down"):
+        thread.post(print)
+    assert not square.done()
+    gate.set()
+    assert square.result(timeout=10) == 49
+    with pytest.raises(ValueError, match="bad call"):
+        failed.result(timeout=10)
+    last.result(timeout=10)
+    thread.shutdown(wait=True)
+    assert [name for name, _ in ran] == ["posted", "submitted", "last"]
+    idents = {ident for _, ident in ran}
+    assert len(idents) == 1 and threading.get_ident() not in idents
 
 
 @pytest.mark.anyio

@@ -75,10 +75,15 @@ class ModelRunner:
         self.token_ids = np.zeros((8, min(max_model_len + 1, 1024)), dtype=np.int64)
         self.block_tables = np.zeros((8, min(self.max_blocks_per_seq, 64)), dtype=np.int32)
         # A decode step's inputs in one call of the CPU kernels where they are the ops (see _model_inputs),
-        # over tensors that share the two arrays' memory (made again when an array grows).
-        self._decode_inputs = getattr(self.ops, "decode_inputs", None) if self.device.type == "cpu" else None
+        # over tensors that share the two arrays' memory (made again when an array grows), and a greedy one's
+        # sampling in another (see _execute_decode).
+        cpu = self.device.type == "cpu"
+        self._decode_inputs = getattr(self.ops, "decode_inputs", None) if cpu else None
+        self._argmax_append = getattr(self.ops, "argmax_append_", None) if cpu else None
         self._share_arrays()
         self.slots: dict[int, SlotState] = {}
+        # Live slots whose tokens the sampler draws: any but argmax_only ones (see SlotSamplingState).
+        self._sampler_slots: set[int] = set()
         self.last_step_id = 0
         self._idle_since: float | None = None
 
@@ -87,6 +92,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request; the next plan must have step id 1."""
         self.slots.clear()
+        self._sampler_slots.clear()
         self.last_step_id = 0
         self._idle_since = None
 
@@ -105,33 +111,12 @@ class ModelRunner:
         received_at = t0 if received_at is None else received_at
         idle = 0.0 if self._idle_since is None else max(0.0, received_at - self._idle_since)
         gap = 0.0 if self._idle_since is None else t0 - self._idle_since
-        self._validate(plan)
-        self._apply(plan)
-        result = worker_pb2.StepResult(step_id=plan.step_id)
-        batch = self._batch(plan)
-        t1 = t2 = time.perf_counter()
-        if batch is not None:
-            input_ids, positions, attn = self._model_inputs(batch)
-            sample_idx, prompt_rows = self._logits_rows(batch)
-            # The model returns the final states of these rows alone; sample rows alone come in order, and
-            # all of them (a decode step) are every row.
-            output_rows = None
-            if prompt_rows or len(sample_idx) != batch.num_tokens:
-                rows = [batch.query_start_loc[1:][sample_idx] - 1, *(r for _, r in prompt_rows)]
-                output_rows = _tensor(np.concatenate(rows).astype(np.int64, copy=False), self.device)
-            if before_forward is not None:
-                before_forward()
-            t1 = time.perf_counter()
-            hidden = self.model(input_ids, positions, attn, self._kv_layers, output_rows)
-            logits = self.model.compute_logits(hidden)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            t2 = time.perf_counter()
-            self._sample(batch, sample_idx, logits[: len(sample_idx)], result)
-            self._prompt_logprobs(batch, prompt_rows, logits[len(sample_idx) :], result)
-            batch_tokens = batch.num_tokens
+        decode = self._plain_decode(plan)
+        if decode is not None:
+            result, t1, t2 = self._execute_decode(plan, *decode, before_forward)
+            batch_tokens = len(decode[0])
         else:
-            batch_tokens = 0
+            result, t1, t2, batch_tokens = self._execute_plan(plan, before_forward)
         t3 = time.perf_counter()
         self.last_step_id = plan.step_id
         self._idle_since = t3
@@ -142,6 +127,126 @@ class ModelRunner:
         result.timings.sample_seconds = t3 - t2
         result.timings.num_tokens = batch_tokens
         return result
+
+    def _execute_plan(
+        self, plan: worker_pb2.StepPlan, before_forward: Callable[[], None] | None
+    ) -> tuple[worker_pb2.StepResult, float, float, int]:
+        """Any plan: its result, the start and end of its forward pass, and the tokens it computed."""
+        self._validate(plan)
+        self._apply(plan)
+        result = worker_pb2.StepResult(step_id=plan.step_id)
+        batch = self._batch(plan)
+        t1 = t2 = time.perf_counter()
+        if batch is None:
+            return result, t1, t2, 0
+        input_ids, positions, attn = self._model_inputs(batch)
+        sample_idx, prompt_rows = self._logits_rows(batch)
+        # The model returns the final states of these rows alone; sample rows alone come in order, and all of
+        # them (a decode step) are every row.
+        output_rows = None
+        if prompt_rows or len(sample_idx) != batch.num_tokens:
+            rows = [batch.query_start_loc[1:][sample_idx] - 1, *(r for _, r in prompt_rows)]
+            output_rows = _tensor(np.concatenate(rows).astype(np.int64, copy=False), self.device)
+        if before_forward is not None:
+            before_forward()
+        t1 = time.perf_counter()
+        hidden = self.model(input_ids, positions, attn, self._kv_layers, output_rows)
+        logits = self.model.compute_logits(hidden)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        self._sample(batch, sample_idx, logits[: len(sample_idx)], result)
+        self._prompt_logprobs(batch, prompt_rows, logits[len(sample_idx) :], result)
+        return result, t1, t2, batch.num_tokens
+
+    # ---- the steady state: a plain decode step --------------------------------------------------------
+
+    def _plain_decode(self, plan: worker_pb2.StepPlan) -> tuple[list[int], list[SlotState]] | None:
+        """The slots and states of a valid plain decode step, where the CPU kernels are the ops: live
+        slots, each scheduled once for the one token that completes it (so that it samples), blocks
+        appended at most, nothing freed, added, replaced or copied. Else None: the general path takes
+        the plan, and refuses it if it is broken (see _validate, which accepts every plan this does).
+
+        NOTE: the steady state of decoding, taken with as little Python as it needs: this and the rest of
+        the step's Python between two forward passes run cold, the caches full of the weights, where each
+        protobuf field, numpy or torch call and object costs microseconds."""
+        if (
+            self._decode_inputs is None
+            or self._argmax_append is None
+            or plan.step_id != self.last_step_id + 1
+            or plan.finished_slots
+            or plan.preempted_slots
+            or plan.new_requests
+            or plan.replaced_slots
+            or plan.replaced_block_indices
+            or plan.replaced_block_ids
+            or plan.copy_src_blocks
+            or plan.copy_dst_blocks
+        ):
+            return None
+        slots = list(plan.slots)
+        n = len(slots)
+        appended = plan.num_new_blocks
+        if n == 0 or len(set(slots)) != n or len(appended) != n or len(plan.num_scheduled_tokens) != n:
+            return None
+        if set(plan.num_scheduled_tokens) != {1}:
+            return None
+        new_ids = plan.new_block_ids
+        if sum(appended) != len(new_ids) or (new_ids and max(new_ids) >= self.num_blocks):
+            return None
+        get = self.slots.get
+        states = [get(slot) for slot in slots]
+        limit, block_size = self.max_model_len, self.block_size
+        for state, more in zip(states, appended, strict=True):
+            if state is None:
+                return None
+            end = state.num_computed_tokens + 1
+            if end != state.num_tokens or end > limit or (state.num_blocks + more) * block_size < end:
+                return None
+        return slots, states
+
+    def _execute_decode(
+        self,
+        plan: worker_pb2.StepPlan,
+        slots: list[int],
+        states: list[SlotState],
+        before_forward: Callable[[], None] | None,
+    ) -> tuple[worker_pb2.StepResult, float, float]:
+        """A plain decode step (see _plain_decode): the same state, inputs and result as the general path's,
+        which test_worker_runner checks."""
+        if plan.new_block_ids:
+            self._append_blocks(plan)
+        start = [state.num_computed_tokens for state in states]
+        ends = [state.num_tokens for state in states]  # where each sampled token goes: start + 1
+        if max(ends) >= self.token_ids.shape[1]:
+            self._reserve(0, max(ends) + 1, 0)
+        input_ids, positions, *tensors = self._decode_inputs(
+            self._token_ids_shared, self._block_tables_shared, slots, start, self.block_size
+        )
+        attn = AttentionMetadata(*tensors, max_query_len=1)
+        if before_forward is not None:
+            before_forward()
+        t1 = time.perf_counter()
+        hidden = self.model(input_ids, positions, attn, self._kv_layers, None)
+        logits = self.model.compute_logits(hidden)
+        t2 = time.perf_counter()
+        result = worker_pb2.StepResult(step_id=plan.step_id)
+        for state in states:
+            state.num_computed_tokens += 1
+        if self._sampler_slots:
+            self._sample_rows(slots, states, logits, result)
+            return result, t1, t2
+        # Every live slot is argmax_only: its token is its row's argmax, which the kernel writes into token_ids.
+        tokens = self._argmax_append(logits, self._token_ids_shared, slots, ends)
+        for state, token in zip(states, tokens, strict=True):
+            state.num_tokens += 1
+            state.sampling.output_token_ids.append(token)
+        result.sampled_slots.extend(slots)
+        result.sampled_token_ids.extend(tokens)
+        result.num_top_logprobs.extend([0] * len(slots))
+        return result, t1, t2
+
+    # ---- reading the state ------------------------------------------------------------------------
 
     def tokens(self, slot: int) -> list[int]:
         """Token ids known for a live slot (prompt + sampled)."""
@@ -265,22 +370,33 @@ class ModelRunner:
     def _apply(self, plan: worker_pb2.StepPlan) -> None:
         for slot in (*plan.finished_slots, *plan.preempted_slots):
             del self.slots[slot]
+            self._sampler_slots.discard(slot)
         for req in plan.new_requests:
             n = len(req.token_ids)
             self._reserve(req.slot, n + 1, 0)
             self.token_ids[req.slot, :n] = req.token_ids
+            sampling = _sampling_state(req)
             self.slots[req.slot] = SlotState(
                 request_id=req.request_id,
                 prompt_len=req.prompt_len,
                 num_tokens=n,
                 num_computed_tokens=req.num_computed_tokens,
                 num_blocks=0,
-                sampling=_sampling_state(req),
+                sampling=sampling,
             )
+            if not sampling.argmax_only:
+                self._sampler_slots.add(req.slot)
         for slot, index, block in zip(
             plan.replaced_slots, plan.replaced_block_indices, plan.replaced_block_ids, strict=True
         ):
             self.block_tables[slot, index] = block
+        self._append_blocks(plan)
+        if plan.copy_src_blocks:
+            src = torch.tensor(plan.copy_src_blocks, dtype=torch.int64, device=self.device)
+            dst = torch.tensor(plan.copy_dst_blocks, dtype=torch.int64, device=self.device)
+            self.ops.copy_blocks(self.kv_cache.k_caches, self.kv_cache.v_caches, src, dst)
+
+    def _append_blocks(self, plan: worker_pb2.StepPlan) -> None:
         offset = 0
         for slot, appended in zip(plan.slots, plan.num_new_blocks, strict=True):
             if appended:
@@ -290,10 +406,6 @@ class ModelRunner:
                 self.block_tables[slot, state.num_blocks : state.num_blocks + appended] = ids
                 state.num_blocks += appended
                 offset += appended
-        if plan.copy_src_blocks:
-            src = torch.tensor(plan.copy_src_blocks, dtype=torch.int64, device=self.device)
-            dst = torch.tensor(plan.copy_dst_blocks, dtype=torch.int64, device=self.device)
-            self.ops.copy_blocks(self.kv_cache.k_caches, self.kv_cache.v_caches, src, dst)
 
     def _reserve(self, slot: int, num_tokens: int, num_blocks: int) -> None:
         rows, cols = self.token_ids.shape
@@ -336,9 +448,12 @@ class ModelRunner:
             # cost more than the gathers, run cold after every forward pass. Two runners alternating decode
             # steps, the step's Python before the forward pass: one sequence at 2048 positions 257 -> 168
             # us, at 512 265 -> 170 us, 16 at 512 273 -> 190 us; whole steps 0.989-0.995x as long.
-            positions, slots = torch.from_numpy(b.start), torch.from_numpy(b.slots)
-            ids, *tensors = self._decode_inputs(
-                self._token_ids_shared, self._block_tables_shared, slots, positions, self.block_size
+            ids, positions, *tensors = self._decode_inputs(
+                self._token_ids_shared,
+                self._block_tables_shared,
+                b.slots.tolist(),
+                b.start.tolist(),
+                self.block_size,
             )
             return ids, positions, AttentionMetadata(*tensors, max_query_len=1)
         # Per token: its position in its sequence, and the sequence's slot.
@@ -398,7 +513,12 @@ class ModelRunner:
         if len(sample_idx) == 0:
             return
         slots = b.slots[sample_idx].tolist()
-        states = [self.slots[s] for s in slots]
+        self._sample_rows(slots, [self.slots[s] for s in slots], logits, result)
+
+    def _sample_rows(
+        self, slots: list[int], states: list[SlotState], logits: torch.Tensor, result: worker_pb2.StepResult
+    ) -> None:
+        """Sample a token for each of these slots from its row of logits, append it and write the result."""
         meta = SamplingMetadata.build([s.sampling for s in states], self.vocab_size, self.device)
         out = self.sampler(logits, meta)
         token_ids = out.token_ids.tolist()

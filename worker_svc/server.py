@@ -1,6 +1,6 @@
 """The worker process: the Worker gRPC service over a ModelRunner, health, reflection, registration.
 
-The model loads and runs in one dedicated thread (compute_thread). A reader task hands each plan of the
+The model loads and runs in one dedicated thread (ComputeThread). A reader task hands each plan of the
 Steps stream to that thread the moment it arrives (stamping its arrival for StepTimings.idle_seconds),
 so with a pipelining scheduler the thread goes from one step straight into the next, while the asyncio
 loop writes the previous result.
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 import grpc
@@ -102,9 +103,10 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
     return LoadedWorker(runner, info)
 
 
-def compute_thread() -> ThreadPoolExecutor:
+class ComputeThread(Executor):
     """The one thread that runs a worker's torch work: loading the model and the KV pool, then every
-    step, strictly in order.
+    step, strictly in order. submit() runs a call and returns its future, as a ThreadPoolExecutor of one
+    thread does; post() runs one without a future (a step, whose result goes through _ResultHandOver).
 
     NOTE: libgomp gives each thread that opens a parallel region a team of OpenMP threads of its own,
     which lives as long as that thread. With more OpenMP threads in the process than cores, libgomp's
@@ -115,8 +117,60 @@ def compute_thread() -> ThreadPoolExecutor:
     bench serve` at concurrency 1 (128 tokens in, 128 out), 2-core Zen 3, alternating old and new: median
     time per output token 27.8 and 25.5 ms -> 23.0 and 22.4 ms; at concurrency 16 (256 in, 64 out) 79.1
     and 80.7 -> 78.7 and 85.3 output tokens/s, within that machine's noise.
+
+    NOTE: a queue and a loop rather than a ThreadPoolExecutor, whose future, work item and idle semaphore
+    per step (four locks and conditions in Python) took the thread 32-44 us from the end of one step to
+    the start of the next, cold after the forward pass (the median over 1000 steps of `pagedserve bench
+    serve` at concurrency 1, 2-core Zen 4).
     """
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-forward")
+
+    def __init__(self, name: str = "worker-forward"):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        # A daemon: one blocked on an empty queue must not hold up the interpreter's exit.
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def post(self, fn: Callable[..., object], *args: object) -> None:
+        """Run fn(*args) on the thread after the calls before it; what it returns or raises is dropped."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the compute thread is shut down")
+            self._calls.put((fn, args))
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        self.post(_call_into, future, fn, args, kwargs)
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """No more calls; the queued ones still run (cancel_futures is not supported), then the thread ends."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._calls.put(None)
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fn, args = call
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("compute_call_failed", call=getattr(fn, "__qualname__", repr(fn)))
+
+
+def _call_into(future: Future, fn: Callable[..., object], args: tuple, kwargs: dict) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException as error:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
 
 
 _END = object()
@@ -187,10 +241,10 @@ def _set_exception(future: asyncio.Future, error: Exception) -> None:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, runner: ModelRunner, info: worker_pb2.ModelInfo, executor: ThreadPoolExecutor):
+    def __init__(self, runner: ModelRunner, info: worker_pb2.ModelInfo, executor: ComputeThread):
         self.runner = runner
         self.info = info
-        # NOTE: the compute_thread that loaded the runner: plans execute strictly in order, and the asyncio
+        # NOTE: the ComputeThread that loaded the runner: plans execute strictly in order, and the asyncio
         # loop stays free to receive the next plan (and answer health checks) while a forward pass runs.
         self.executor = executor
         # One span per request while it is here (only for requests that arrive with a trace context).
@@ -206,9 +260,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # The steps submitted to the compute thread, in step order, until their results are written.
         steps: asyncio.Queue = asyncio.Queue()
         hand_over = _ResultHandOver(loop)
+        closed = threading.Event()  # the stream has ended: steps not started never run
 
         def step(plan: worker_pb2.StepPlan, received_at: float, done: asyncio.Future) -> None:
             hand_over.started()
+            if closed.is_set():
+                return
             started_ns = time.time_ns()
             try:
                 result = self.runner.execute(plan, received_at, before_forward=hand_over.flush)
@@ -224,19 +281,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # (its step id then follows no applied plan), so nothing runs past a broken plan.
             try:
                 async for plan in request_iterator:
-                    # The step's result comes through `done` (see _ResultHandOver); the executor's own future
-                    # serves to cancel a step that has not started.
+                    # The step's result comes through `done` (see _ResultHandOver).
                     done = loop.create_future()
                     hand_over.queued()
-                    submitted = self.executor.submit(step, plan, time.perf_counter(), done)
-                    steps.put_nowait((plan, done, submitted))
+                    self.executor.post(step, plan, time.perf_counter(), done)
+                    steps.put_nowait((plan, done))
             finally:
-                steps.put_nowait((_END, None, None))
+                steps.put_nowait((_END, None))
 
         reader = asyncio.create_task(read())
         try:
             while True:
-                plan, done, _ = await steps.get()
+                plan, done = await steps.get()
                 if plan is _END:
                     return
                 try:
@@ -251,14 +307,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self.spans.on_step(plan, started_ns, ended_ns)
                 yield result
         finally:
+            # Steps not started yet never run; one running finishes, its result unread.
+            closed.set()
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
-            # Steps not started yet never run; one running finishes, its result unread.
             while not steps.empty():
-                _, done, submitted = steps.get_nowait()
-                if submitted is not None:
-                    submitted.cancel()
+                _, done = steps.get_nowait()
+                if done is not None:
                     done.cancel()
 
     async def Reset(self, request: worker_pb2.ResetRequest, context) -> worker_pb2.ModelInfo:
@@ -377,13 +433,13 @@ async def _first_of(*coroutines) -> None:
 
 class WorkerServer:
     """The worker's gRPC server and its registration task. WorkerServer.load makes one: `loaded` must
-    come from the `executor` thread that will run its steps (see compute_thread)."""
+    come from the `executor` thread that will run its steps (see ComputeThread)."""
 
     def __init__(
         self,
         config: WorkerConfig,
         loaded: LoadedWorker,
-        executor: ThreadPoolExecutor,
+        executor: ComputeThread,
         max_register_backoff: float = 10.0,
     ):
         self.config = config
@@ -400,8 +456,8 @@ class WorkerServer:
     @classmethod
     async def load(cls, config: WorkerConfig, max_register_backoff: float = 10.0) -> WorkerServer:
         """A server over the model config names, loaded on the thread that will run its steps (see
-        compute_thread)."""
-        executor = compute_thread()
+        ComputeThread)."""
+        executor = ComputeThread()
         try:
             loaded = await asyncio.get_running_loop().run_in_executor(executor, load_worker, config)
         except BaseException:
