@@ -147,14 +147,7 @@ class ModelRunner:
         if prompt_rows or len(sample_idx) != batch.num_tokens:
             rows = [batch.query_start_loc[1:][sample_idx] - 1, *(r for _, r in prompt_rows)]
             output_rows = _tensor(np.concatenate(rows).astype(np.int64, copy=False), self.device)
-        if before_forward is not None:
-            before_forward()
-        t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, attn, self._kv_layers, output_rows)
-        logits = self.model.compute_logits(hidden)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t2 = time.perf_counter()
+        logits, t1, t2 = self._forward(input_ids, positions, attn, output_rows, before_forward)
         self._sample(batch, sample_idx, logits[: len(sample_idx)], result)
         self._prompt_logprobs(batch, prompt_rows, logits[len(sample_idx) :], result)
         return result, t1, t2, batch.num_tokens
@@ -227,12 +220,7 @@ class ModelRunner:
             self._token_ids_shared, self._block_tables_shared, slots, start, self.block_size
         )
         attn = AttentionMetadata(*tensors, max_query_len=1)
-        if before_forward is not None:
-            before_forward()
-        t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, attn, self._kv_layers, None)
-        logits = self.model.compute_logits(hidden)
-        t2 = time.perf_counter()
+        logits, t1, t2 = self._forward(input_ids, positions, attn, None, before_forward)
         result = worker_pb2.StepResult(step_id=plan.step_id)
         for state in states:
             state.num_computed_tokens += 1
@@ -243,11 +231,29 @@ class ModelRunner:
         tokens = self._argmax_append(logits, self._token_ids_shared, slots, ends)
         for state, token in zip(states, tokens, strict=True):
             state.num_tokens += 1
-            state.sampling.output_token_ids.append(token)
+            state.sampling.append_output(token)
         result.sampled_slots.extend(slots)
         result.sampled_token_ids.extend(tokens)
         result.num_top_logprobs.extend([0] * len(slots))
         return result, t1, t2
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        output_rows: torch.Tensor | None,
+        before_forward: Callable[[], None] | None,
+    ) -> tuple[torch.Tensor, float, float]:
+        """The forward pass: the logits of its output rows (every row when None), and its start and end."""
+        if before_forward is not None:
+            before_forward()
+        t1 = time.perf_counter()
+        hidden = self.model(input_ids, positions, attn, self._kv_layers, output_rows)
+        logits = self.model.compute_logits(hidden)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return logits, t1, time.perf_counter()
 
     # ---- reading the state ------------------------------------------------------------------------
 
