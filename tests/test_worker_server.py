@@ -268,6 +268,46 @@ def test_the_compute_thread_runs_calls_in_order_on_one_thread_and_ends_after_the
     assert len(idents) == 1 and threading.get_ident() not in idents
 
 
+async def until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.anyio
+async def test_steps_still_queued_when_their_stream_ends_never_run(model_dir):
+    server = await start_worker(model_dir)
+    executor = server.servicer.executor
+    post, gate, queued = executor.post, threading.Event(), []
+
+    def tracked_post(fn, *args):
+        queued.append(args[-1])  # the step's result future
+        post(fn, *args)
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            executor.post(gate.wait)  # holds the compute thread while the plans queue up behind it
+            executor.post = tracked_post
+            call = stub.Steps(iter([first_plan(), decode_plan(2)]))
+            await until(lambda: len(queued) == 2)
+            call.cancel()
+            await until(lambda: all(done.cancelled() for done in queued))  # the stream has ended
+            gate.set()
+            await asyncio.wrap_future(executor.submit(lambda: None))  # the queued steps had their turn
+            # Neither ran: a new stream starts again at step 1.
+            after = await steps(stub, [first_plan(), decode_plan(2)])
+    finally:
+        gate.set()
+        executor.post = post
+        await server.stop(grace=None)
+    assert [r.step_id for r in after] == [1, 2]
+    assert [list(r.sampled_token_ids) for r in after] == expected_tokens(
+        model_dir, [first_plan(), decode_plan(2)]
+    )
+
+
 @pytest.mark.anyio
 async def test_broken_plan_ends_the_stream_with_invalid_argument_and_a_new_stream_continues(model_dir):
     async def scenario():
