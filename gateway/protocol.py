@@ -14,16 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.proto import common_pb2
+from pagedserve.validation import Limits, check_sampling, reduce_seed
 
-MAX_LOGPROBS = 20
-MAX_N = 128
-# Stop strings per request, and characters per stop string (each is matched on every new token).
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-# Stop token ids and logit_bias entries per request.
-MAX_STOP_TOKEN_IDS = 256
-MAX_LOGIT_BIAS = 1024
-_UINT64_MASK = (1 << 64) - 1
+_UNBOUNDED_N = Limits(max_n=(1 << 32) - 1)
 
 
 class _Request(BaseModel):
@@ -72,8 +65,9 @@ class _SamplingFields(_Request):
             _checked_uint(token_id, "stop_token_ids")
         # Sent as int32 (the engine's priority, SamplingParams.top_k): out of range is the caller's error.
         _checked_int32(self.priority, "priority")
-        if not 1 <= self.n <= MAX_N:
-            raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
+        if self.n < 1:
+            raise InvalidRequestError(f"n must be at least 1, got {self.n}", "n")
+        _checked_uint(self.n, "n")
         if self.top_k is not None and self.top_k < -1:
             raise InvalidRequestError(
                 f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}", "top_k"
@@ -98,7 +92,7 @@ class _SamplingFields(_Request):
         if self.top_p is not None:
             sp.top_p = self.top_p
         if self.seed is not None:
-            sp.seed = self.seed & _UINT64_MASK
+            sp.seed = reduce_seed(self.seed)
         if self.repetition_penalty is not None:
             sp.repetition_penalty = self.repetition_penalty
         if logprobs is not None:
@@ -240,50 +234,9 @@ class DetokenizeRequest(_Request):
 
 
 def check_sampling_params(sp: common_pb2.SamplingParams, names: dict[str, str] | None = None) -> None:
-    """Refuse values outside the documented ranges (InvalidRequestError with the parameter's name)."""
-    names = names or {}
-
-    def fail(field: str, message: str) -> None:
-        param = names.get(field, field)
-        raise InvalidRequestError(f"{param} {message}", param)
-
-    if sp.HasField("max_tokens") and sp.max_tokens < 1:
-        fail("max_tokens", f"must be at least 1, got {sp.max_tokens}")
-    if sp.HasField("temperature") and not sp.temperature >= 0.0:
-        fail("temperature", f"must be non-negative, got {sp.temperature:g}")
-    if sp.HasField("top_p") and not 0.0 < sp.top_p <= 1.0:
-        fail("top_p", f"must be in (0, 1], got {sp.top_p:g}")
-    if sp.top_k < 0:
-        fail("top_k", f"must be -1 (disable), 0 (disable) or positive, got {sp.top_k}")
-    if not 0.0 <= sp.min_p <= 1.0:
-        fail("min_p", f"must be in [0, 1], got {sp.min_p:g}")
-    if not -2.0 <= sp.presence_penalty <= 2.0:
-        fail("presence_penalty", f"must be in [-2, 2], got {sp.presence_penalty:g}")
-    if not -2.0 <= sp.frequency_penalty <= 2.0:
-        fail("frequency_penalty", f"must be in [-2, 2], got {sp.frequency_penalty:g}")
-    if sp.HasField("repetition_penalty") and not sp.repetition_penalty > 0.0:
-        fail("repetition_penalty", f"must be positive, got {sp.repetition_penalty:g}")
-    if not 0 <= sp.n <= MAX_N:
-        fail("n", f"must be between 1 and {MAX_N}, got {sp.n}")
-    if sp.HasField("logprobs") and sp.logprobs > MAX_LOGPROBS:
-        fail("logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {sp.logprobs}")
-    if sp.HasField("prompt_logprobs") and sp.prompt_logprobs > MAX_LOGPROBS:
-        fail("prompt_logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {sp.prompt_logprobs}")
-    if sp.HasField("max_tokens") and sp.min_tokens > sp.max_tokens:
-        fail("min_tokens", f"must not exceed max_tokens ({sp.max_tokens}), got {sp.min_tokens}")
-    for token_id, bias in sp.logit_bias.items():
-        if not -100.0 <= bias <= 100.0:
-            fail("logit_bias", f"values must be in [-100, 100], got {bias:g} for token {token_id}")
-    if any(not s for s in sp.stop):
-        fail("stop", "must not contain empty strings")
-    if len(sp.stop) > MAX_STOP_STRINGS:
-        fail("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(sp.stop)}")
-    if any(len(s) > MAX_STOP_CHARS for s in sp.stop):
-        fail("stop", f"strings may be at most {MAX_STOP_CHARS} characters long")
-    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        fail("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(sp.stop_token_ids)}")
-    if len(sp.logit_bias) > MAX_LOGIT_BIAS:
-        fail("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries, got {len(sp.logit_bias)}")
+    """Refuse values outside the documented ranges (InvalidRequestError with the parameter's name); n is
+    bounded by the gateway's --max-n when the request is built (GenerationCore.build)."""
+    check_sampling(sp, limits=_UNBOUNDED_N, names=names)
 
 
 def parse_request(model: type[_Request], body: bytes) -> Any:

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pagedserve.proto import common_pb2, engine_pb2
+from pagedserve.validation import child_seed
 
 from .prefix_cache import CacheNode
 
@@ -190,5 +191,5 @@ def _sequence_sampling(sampling: common_pb2.SamplingParams, offset: int) -> comm
     sequence.CopyFrom(sampling)
     sequence.n = 1
     if sequence.HasField("seed"):
-        sequence.seed = sampling.seed + offset
+        sequence.seed = child_seed(sampling.seed, offset)
     return sequence
