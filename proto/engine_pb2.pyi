@@ -151,7 +151,7 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "eos_token_ids", "vocab_size", "block_size", "num_healthy_workers", "max_queued_requests")
+    __slots__ = ("model", "max_model_len", "eos_token_ids", "vocab_size", "block_size", "num_healthy_workers", "max_queued_requests", "stalled", "seconds_without_progress")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,8 @@ class EngineInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_HEALTHY_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_WITHOUT_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -166,7 +168,9 @@ class EngineInfo(_message.Message):
     block_size: int
     num_healthy_workers: int
     max_queued_requests: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_healthy_workers: _Optional[int] = ..., max_queued_requests: _Optional[int] = ...) -> None: ...
+    stalled: bool
+    seconds_without_progress: float
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_healthy_workers: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., stalled: _Optional[bool] = ..., seconds_without_progress: _Optional[float] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "address", "model", "num_blocks", "block_size", "dtype", "device", "max_model_len")
