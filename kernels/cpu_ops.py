@@ -75,15 +75,16 @@ SDPA_MIN_PAIRS = 1_000_000
 
 def build_name() -> str:
     """The extension's name: a short hash of this CPU's model and feature flags (Linux; else torch's CPU
-    capability), of the source and of the flags. Two checkouts or two CPUs sharing one extension cache
-    never load each other's build."""
+    capability), of the source, of the flags and of the source's folder. Two checkouts or two CPUs sharing
+    one extension cache never load each other's build (nor rebuild it: the build's ninja file names the
+    source paths, so two checkouts under one name would rebuild it each time the other loaded it)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         cpu = "\n".join([line for line in lines if line.startswith(("flags", "model name"))][:2])
     except OSError:
         cpu = ""
     sources = [path.read_text() for path in (SOURCE, HEADER, BINDINGS)]
-    key = "\0".join([cpu or torch.backends.cpu.get_cpu_capability(), *sources, *CFLAGS])
+    key = "\0".join([cpu or torch.backends.cpu.get_cpu_capability(), *sources, *CFLAGS, str(SOURCE.parent)])
     return f"pagedserve_cpu_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 

@@ -33,7 +33,7 @@ MODEL = "SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT_S = 180  # the launcher gives up by itself after this (so the wait for its banner ends)
 
 
-def wait_for(condition, timeout: float = 10.0, what: str = "timed out", interval: float = 0.1):
+def wait_for(condition, timeout: float = 60.0, what: str = "timed out", interval: float = 0.1):
     """Polls `condition` every `interval` seconds until it returns something truthy, and returns that."""
     deadline = time.monotonic() + timeout
     while not (found := condition()):
@@ -212,13 +212,13 @@ class Stack:
         )
 
     # --- probes ---
-    def engine_stats(self, timeout: float = 5.0) -> engine_pb2.EngineStats:
+    def engine_stats(self, timeout: float = 30.0) -> engine_pb2.EngineStats:
         with open_sync_channel(self.engine_address, self.client_tls) as channel:
             return engine_pb2_grpc.EngineStub(channel).Stats(engine_pb2.StatsRequest(), timeout=timeout)
 
     def healthy_workers(self) -> set[str]:
         try:
-            stats = self.engine_stats(timeout=1.0)
+            stats = self.engine_stats(timeout=10.0)
         except grpc.RpcError:
             return set()
         return {w.worker_id for w in stats.workers if w.healthy}
@@ -244,7 +244,7 @@ class Stack:
             assert time.monotonic() < deadline, f"gateway not ready\n{self.logs()}"
             time.sleep(0.2)
 
-    def wait_idle(self, timeout: float = 5.0) -> engine_pb2.EngineStats:
+    def wait_idle(self, timeout: float = 60.0) -> engine_pb2.EngineStats:
         """Stats once no request runs or waits and every block is free."""
         deadline = time.monotonic() + timeout
         while True:

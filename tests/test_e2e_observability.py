@@ -26,7 +26,7 @@ def stack(default_model_dir, tmp_path_factory):
     env = {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"}
     log_dir = tmp_path_factory.mktemp("observability-logs")
     with running(Stack(default_model_dir, log_dir, serve_args=args, env=env)) as s:
-        s.client = openai.OpenAI(base_url=s.openai_base_url, api_key="unused", max_retries=0, timeout=120)
+        s.client = openai.OpenAI(base_url=s.openai_base_url, api_key="unused", max_retries=0, timeout=600)
         yield s
 
 
@@ -200,11 +200,16 @@ def test_a_wait_for_requests_is_not_counted_as_the_worker_waiting_for_the_schedu
     stack.wait_idle()
     ask()
     before = stack.scrape()
-    time.sleep(1.5)  # nothing to schedule: the worker waits for the next request
+    time.sleep(3.0)  # nothing to schedule: the worker waits for the next request
     ask()
     after = stack.scrape()
-    # The wait is the gap before the next request's first step, counted apart from the steady state's.
-    assert total(after, "worker_no_work_seconds") - total(before, "worker_no_work_seconds") >= 1.5
-    assert total(after, "worker_gap_seconds") - total(before, "worker_gap_seconds") < 0.5
-    assert total(after, "worker_idle_seconds") - total(before, "worker_idle_seconds") < 0.5
+
+    def grew(name: str) -> float:
+        return total(after, name) - total(before, name)
+
+    # The wait is counted as waiting for work, apart from the steady state's gaps: it is in no_work whole,
+    # and the gaps of the second request's few steps hold none of it.
+    assert grew("worker_no_work_seconds") >= 3.0
+    assert grew("worker_gap_seconds") < grew("worker_no_work_seconds") / 2
+    assert grew("worker_idle_seconds") < grew("worker_no_work_seconds") / 2
     assert total(after, "worker_prepare_seconds") > total(before, "worker_prepare_seconds")

@@ -39,7 +39,7 @@ def served(default_model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("e2e-openai-logs")
     with running(Stack(default_model_dir, log_dir, serve_args=args, env=env)) as stack:
         stack.client = openai.OpenAI(
-            base_url=stack.openai_base_url, api_key=API_KEY, max_retries=0, timeout=60
+            base_url=stack.openai_base_url, api_key=API_KEY, max_retries=0, timeout=600
         )
         yield stack
 

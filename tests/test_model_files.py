@@ -53,11 +53,9 @@ def test_second_resolve_reuses_the_cache_without_converting(default_model_dir, m
         raise AssertionError("converted again")
 
     monkeypatch.setattr(model_files, "_convert", fail)
-    start = time.perf_counter()
     assert resolve_model("default", cache_dir=default_model_dir.parent) == default_model_dir
     assert resolve_model("smollm2", cache_dir=default_model_dir.parent) == default_model_dir
     assert resolve_model(str(default_gguf_path()), cache_dir=default_model_dir.parent) == default_model_dir
-    assert time.perf_counter() - start < 1.0
 
 
 def _fake_gguf(tmp_path: Path) -> Path:
