@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels gpu-check clean
+.PHONY: install serve test test-fast lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels bench-soak gpu-check clean
 
 install: $(STAMP)
 
@@ -69,6 +69,11 @@ bench-memory: install
 # Time to first token with a shared system prompt, prefix caching on against off.
 bench-prefix: install
 	$(BIN)/python bench/bench_prefix.py
+
+# At least 30 minutes of mixed traffic (aborts, n > 1, many cache salts) against `pagedserve serve`:
+# every process's resident memory and the KV usage over time. make bench-soak BENCH_ARGS="--minutes 30"
+bench-soak: install
+	$(BIN)/python bench/bench_soak.py $(BENCH_ARGS)
 
 bench-kernels: install
 	$(BIN)/python bench/bench_kernels.py
