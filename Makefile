@@ -44,7 +44,7 @@ format: install
 	$(BIN)/ruff format .
 	$(BIN)/clang-format -i kernels/*.cpp kernels/*.h
 
-# Regenerate the committed gRPC stubs after editing proto/*.proto.
+# Regenerate the committed gRPC stubs after editing proto/pagedserve/v1/*.proto.
 proto: install
 	$(BIN)/python -m pagedserve.proto.generate
 

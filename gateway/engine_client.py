@@ -16,8 +16,8 @@ from opentelemetry.context import Context
 from pagedserve.errors import from_grpc_error
 from pagedserve.grpc_utils import PLAINTEXT, TLSConfig, open_channel, open_sync_channel
 from pagedserve.logging import get_logger
-from pagedserve.proto import engine_pb2, engine_pb2_grpc
 from pagedserve.tracing import inject_metadata
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc
 
 log = get_logger(__name__)
 

@@ -20,7 +20,7 @@ from opentelemetry.context import Context
 
 from pagedserve.errors import InvalidRequestError, ModelNotFoundError, UnavailableError
 from pagedserve.logging import get_logger
-from pagedserve.proto import common_pb2, engine_pb2
+from pagedserve.v1 import common_pb2, engine_pb2
 
 from .engine_client import EngineClient
 from .tokenization import IncrementalDetokenizer, SequenceText, StopStringMatcher, Tokenizer

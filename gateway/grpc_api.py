@@ -13,8 +13,8 @@ from pagedserve.errors import (
     abort_with,
 )
 from pagedserve.logging import get_logger
-from pagedserve.proto import common_pb2, text_generation_pb2, text_generation_pb2_grpc
 from pagedserve.tracing import extract_context
+from pagedserve.v1 import common_pb2, text_generation_pb2, text_generation_pb2_grpc
 
 from .auth import ApiKeys, combined_salt
 from .generation import ChoiceDelta, GenerationCore, Prompt, UsageInfo, new_request_id

@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from pagedserve.logging import get_logger
-from pagedserve.proto import engine_pb2
+from pagedserve.v1 import engine_pb2
 
 log = get_logger(__name__)
 

@@ -28,8 +28,8 @@ from pagedserve.errors import (
     retry_after_seconds,
 )
 from pagedserve.logging import get_logger
-from pagedserve.proto import common_pb2
 from pagedserve.tracing import extract_context
+from pagedserve.v1 import common_pb2
 
 from . import metrics
 from .auth import ApiKeys, combined_salt

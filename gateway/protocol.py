@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.proto import common_pb2
+from pagedserve.v1 import common_pb2
 
 MAX_LOGPROBS = 20
 MAX_N = 128

@@ -13,9 +13,9 @@ import uvicorn
 from pagedserve.errors import PagedServeError
 from pagedserve.grpc_utils import SERVER_OPTIONS, add_health_and_reflection, set_serving
 from pagedserve.logging import configure_logging, get_logger
-from pagedserve.proto import text_generation_pb2_grpc
 from pagedserve.service_main import freeze_startup_objects, run_event_loop
 from pagedserve.tracing import setup_tracing
+from pagedserve.v1 import text_generation_pb2_grpc
 
 from .auth import ApiKeys
 from .config import GatewayConfig

@@ -212,7 +212,7 @@ class _Stop(Exception):
 def _engine_ready(address: str, workers: int, tls) -> bool:
     """The scheduler is SERVING and all `workers` registered."""
     from pagedserve.grpc_utils import check_health, open_channel
-    from pagedserve.proto import engine_pb2, engine_pb2_grpc
+    from pagedserve.v1 import engine_pb2, engine_pb2_grpc
 
     async def probe() -> bool:
         if not await check_health(address, timeout=1.0, tls=tls):

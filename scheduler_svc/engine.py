@@ -19,13 +19,13 @@ import grpc
 from pagedserve.errors import InvalidRequestError, OverloadedError, PagedServeError, UnavailableError
 from pagedserve.grpc_utils import WORKER_CHANNEL_OPTIONS, open_channel
 from pagedserve.logging import get_logger
-from pagedserve.proto import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 from pagedserve.scheduler_svc.metrics import EngineMetrics
 from pagedserve.scheduler_svc.request_stream import END, RequestStream
 from pagedserve.scheduler_svc.router import choose_worker
 from pagedserve.scheduler_svc.scheduler import RequestOutput, Scheduler, SchedulerOutput
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
 from pagedserve.scheduler_svc.worker_loop import WorkerEngine
+from pagedserve.v1 import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 
 log = get_logger("pagedserve.scheduler.engine")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 
-from pagedserve.proto import worker_pb2
+from pagedserve.v1 import worker_pb2
 
 from .request import Request
 from .scheduler import SchedulerOutput

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pagedserve.proto import common_pb2, engine_pb2
+from pagedserve.v1 import common_pb2, engine_pb2
 
 from .prefix_cache import CacheNode
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
-from pagedserve.proto import common_pb2, engine_pb2
 from pagedserve.scheduler_svc.request import Request
 from pagedserve.tracing import inject_metadata
+from pagedserve.v1 import common_pb2, engine_pb2
 
 if TYPE_CHECKING:
     from pagedserve.scheduler_svc.worker_loop import WorkerEngine

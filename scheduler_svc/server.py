@@ -23,12 +23,12 @@ from pagedserve.errors import PagedServeError, abort_with
 from pagedserve.grpc_utils import SERVER_OPTIONS, add_health_and_reflection, listen, set_serving
 from pagedserve.logging import get_logger
 from pagedserve.model_files import load_generation_info, model_name, resolve_model
-from pagedserve.proto import engine_pb2, engine_pb2_grpc
 from pagedserve.scheduler_svc.engine import Engine
 from pagedserve.scheduler_svc.request_stream import END, RequestStream
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
 from pagedserve.service_main import freeze_startup_objects, run_service, stop_on_signals
 from pagedserve.tracing import extract_context, get_tracer
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 

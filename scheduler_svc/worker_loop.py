@@ -17,13 +17,13 @@ import grpc
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.logging import get_logger
-from pagedserve.proto import engine_pb2, worker_pb2, worker_pb2_grpc
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.metrics import WorkerCounters
 from pagedserve.scheduler_svc.plan import PlanBuilder
 from pagedserve.scheduler_svc.request_stream import RequestStream
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.tracing import get_tracer
+from pagedserve.v1 import engine_pb2, worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
     from pagedserve.scheduler_svc.engine import Engine

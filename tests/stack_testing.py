@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.grpc_utils import PLAINTEXT, TLSConfig, open_sync_channel
 from pagedserve.launcher import cli_command, worker_threads
-from pagedserve.proto import engine_pb2, engine_pb2_grpc
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc
 
 LOOPBACK = "127.0.0.1"
 MODEL = "SmolLM2-135M-Instruct"

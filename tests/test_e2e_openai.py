@@ -18,7 +18,7 @@ import openai
 import pytest
 from stack_testing import MODEL, Stack, running
 
-from pagedserve.proto import common_pb2, text_generation_pb2, text_generation_pb2_grpc
+from pagedserve.v1 import common_pb2, text_generation_pb2, text_generation_pb2_grpc
 
 pytestmark = pytest.mark.slow
 

@@ -10,11 +10,11 @@ import grpc
 import pytest
 from scheduler_fakes import EOS, VOCAB_SIZE, FakeWorker, expected_tokens
 
-from pagedserve.proto import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 from pagedserve.scheduler_svc.engine import Engine
 from pagedserve.scheduler_svc.request_stream import END, RequestStream
 from pagedserve.scheduler_svc.server import EngineServicer
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
+from pagedserve.v1 import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.anyio
 

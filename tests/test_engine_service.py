@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stack_testing import Stack, running
 
-from pagedserve.proto import common_pb2, engine_pb2, engine_pb2_grpc
+from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from stack_testing import Stack, assert_openai_error, running, stream_completion, wait_for
 
-from pagedserve.proto import (
+from pagedserve.v1 import (
     common_pb2,
     engine_pb2,
     engine_pb2_grpc,

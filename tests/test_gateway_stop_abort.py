@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.gateway.generation import GenerationCore, GenerationRequest, ModelInfo, Prompt, UsageInfo
-from pagedserve.proto import common_pb2, engine_pb2
+from pagedserve.v1 import common_pb2, engine_pb2
 
 pytestmark = pytest.mark.anyio
 

@@ -18,7 +18,7 @@ def test_committed_stubs_match_the_proto_files(tmp_path: Path):
     fresh = generate.generate(tmp_path)
     assert fresh, "nothing generated"
     stale = [
-        path.name for path in fresh if not filecmp.cmp(path, generate.PROTO_DIR / path.name, shallow=False)
+        path.name for path in fresh if not filecmp.cmp(path, generate.STUB_DIR / path.name, shallow=False)
     ]
     assert not stale, f"stale generated stubs (run `make proto`): {stale}"
 
@@ -26,18 +26,9 @@ def test_committed_stubs_match_the_proto_files(tmp_path: Path):
 def _descriptor_set_with_comments() -> descriptor_pb2.FileDescriptorSet:
     from grpc_tools import protoc
 
-    include = Path(protoc.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "set.pb"
-        args = [
-            "grpc_tools.protoc",
-            f"-I{generate.IMPORT_PREFIX}={generate.PROTO_DIR}",
-            f"-I{include}",
-            "--include_source_info",
-            f"--descriptor_set_out={out}",
-            *(str(generate.PROTO_DIR / name) for name in generate.PROTO_FILES),
-        ]
-        assert protoc.main(args) == 0
+        assert protoc.main(generate.protoc_args("--include_source_info", f"--descriptor_set_out={out}")) == 0
         return descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
 
 
@@ -67,13 +58,21 @@ def _uncommented_fields(file: descriptor_pb2.FileDescriptorProto) -> list[str]:
 
 def test_every_field_of_every_contract_is_commented():
     files = _descriptor_set_with_comments().file
-    assert {Path(f.name).name for f in files} == set(generate.PROTO_FILES)
+    assert {f.name for f in files} == set(generate.PROTO_FILES)
     missing = [field for f in files for field in _uncommented_fields(f)]
     assert not missing, f"fields without a comment saying what they hold: {missing}"
 
 
+def test_each_contract_lies_in_the_folder_of_its_package():
+    # What lets `protoc -I proto`, buf and any language's loader resolve the imports with proto/ as the root.
+    for f in _descriptor_set_with_comments().file:
+        assert str(Path(f.name).parent) == f.package.replace(".", "/"), (f.name, f.package)
+        assert (generate.PROTO_ROOT / f.name).is_file()
+        assert all(Path(dep).parent == Path(f.name).parent for dep in f.dependency), f.dependency
+
+
 def test_step_plan_carries_per_request_fields_as_packed_arrays():
-    from pagedserve.proto import worker_pb2
+    from pagedserve.v1 import worker_pb2
 
     plan = worker_pb2.StepPlan(step_id=1, slots=[0, 1, 2], num_scheduled_tokens=[1, 1, 7])
     wire = plan.SerializeToString()

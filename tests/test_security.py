@@ -14,7 +14,7 @@ from stack_testing import Stack, assert_openai_error, running
 
 from pagedserve.grpc_utils import TLSConfig, open_sync_channel
 from pagedserve.internal_tls import generate
-from pagedserve.proto import engine_pb2, engine_pb2_grpc
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 # Long enough for several full blocks (block size 16) of shared prefix.

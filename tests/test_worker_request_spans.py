@@ -8,10 +8,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from scheduler_fakes import make_request
 
-from pagedserve.proto import worker_pb2
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.plan import PlanBuilder
 from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.v1 import worker_pb2
 from pagedserve.worker_svc.request_spans import RequestSpans
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"

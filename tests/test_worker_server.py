@@ -24,7 +24,7 @@ from worker_testing import (
 )
 
 from pagedserve.grpc_utils import CHANNEL_OPTIONS, add_health_and_reflection, set_serving
-from pagedserve.proto import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pagedserve.worker_svc import server as worker_server
 from pagedserve.worker_svc.config import WorkerConfig, parse_bytes
 from pagedserve.worker_svc.kv_cache import KVCacheSpec, resolve_num_blocks

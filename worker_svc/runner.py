@@ -1,5 +1,5 @@
-"""The worker's executor: applies step plans (proto/worker.proto) to its per-slot state and KV pool,
-runs one forward pass over the plan's flat batch, samples, and answers with a StepResult.
+"""The worker's executor: applies step plans (proto/pagedserve/v1/worker.proto) to its per-slot state and
+KV pool, runs one forward pass over the plan's flat batch, samples, and answers with a StepResult.
 
 The state of a live request is split in two: the small Python record (`SlotState`) and rows of two
 persistent numpy arrays indexed by slot, its token ids and its block table, so a step's input ids,
@@ -17,7 +17,7 @@ import torch
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.kernels import get_ops
-from pagedserve.proto import common_pb2, worker_pb2
+from pagedserve.v1 import common_pb2, worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCache
 from pagedserve.worker_svc.model import AttentionMetadata, CausalLM
 from pagedserve.worker_svc.sampler import Sampler, SamplingMetadata, SlotSamplingState, compute_logprobs

@@ -36,8 +36,8 @@ from pagedserve.grpc_utils import (
 )
 from pagedserve.logging import get_logger
 from pagedserve.model_files import load_generation_info, model_name, resolve_model
-from pagedserve.proto import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pagedserve.service_main import freeze_startup_objects, run_service, stop_on_signals
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pagedserve.worker_svc.config import WorkerConfig
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
 from pagedserve.worker_svc.loader import load_model, parse_dtype

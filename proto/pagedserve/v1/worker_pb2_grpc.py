@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pagedserve.proto import worker_pb2 as pagedserve_dot_proto_dot_worker__pb2
+from pagedserve.v1 import worker_pb2 as pagedserve_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pagedserve/proto/worker_pb2_grpc.py depends on'
+        + ' but the generated code in pagedserve/v1/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class WorkerStub:
         """
         self.Steps = channel.stream_stream(
                 '/pagedserve.v1.Worker/Steps',
-                request_serializer=pagedserve_dot_proto_dot_worker__pb2.StepPlan.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_worker__pb2.StepResult.FromString,
+                request_serializer=pagedserve_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_worker__pb2.StepResult.FromString,
                 _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/pagedserve.v1.Worker/Reset',
-                request_serializer=pagedserve_dot_proto_dot_worker__pb2.ResetRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_worker__pb2.ModelInfo.FromString,
+                request_serializer=pagedserve_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_worker__pb2.ModelInfo.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/pagedserve.v1.Worker/GetModelInfo',
-                request_serializer=pagedserve_dot_proto_dot_worker__pb2.ModelInfoRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_worker__pb2.ModelInfo.FromString,
+                request_serializer=pagedserve_dot_v1_dot_worker__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_worker__pb2.ModelInfo.FromString,
                 _registered_method=True)
 
 
@@ -82,18 +82,18 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Steps': grpc.stream_stream_rpc_method_handler(
                     servicer.Steps,
-                    request_deserializer=pagedserve_dot_proto_dot_worker__pb2.StepPlan.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_worker__pb2.StepResult.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_worker__pb2.StepPlan.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_worker__pb2.StepResult.SerializeToString,
             ),
             'Reset': grpc.unary_unary_rpc_method_handler(
                     servicer.Reset,
-                    request_deserializer=pagedserve_dot_proto_dot_worker__pb2.ResetRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_worker__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_worker__pb2.ResetRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_worker__pb2.ModelInfo.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=pagedserve_dot_proto_dot_worker__pb2.ModelInfoRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_worker__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_worker__pb2.ModelInfoRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_worker__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -121,8 +121,8 @@ class Worker:
             request_iterator,
             target,
             '/pagedserve.v1.Worker/Steps',
-            pagedserve_dot_proto_dot_worker__pb2.StepPlan.SerializeToString,
-            pagedserve_dot_proto_dot_worker__pb2.StepResult.FromString,
+            pagedserve_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
+            pagedserve_dot_v1_dot_worker__pb2.StepResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -148,8 +148,8 @@ class Worker:
             request,
             target,
             '/pagedserve.v1.Worker/Reset',
-            pagedserve_dot_proto_dot_worker__pb2.ResetRequest.SerializeToString,
-            pagedserve_dot_proto_dot_worker__pb2.ModelInfo.FromString,
+            pagedserve_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
+            pagedserve_dot_v1_dot_worker__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -175,8 +175,8 @@ class Worker:
             request,
             target,
             '/pagedserve.v1.Worker/GetModelInfo',
-            pagedserve_dot_proto_dot_worker__pb2.ModelInfoRequest.SerializeToString,
-            pagedserve_dot_proto_dot_worker__pb2.ModelInfo.FromString,
+            pagedserve_dot_v1_dot_worker__pb2.ModelInfoRequest.SerializeToString,
+            pagedserve_dot_v1_dot_worker__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pagedserve.proto import engine_pb2 as pagedserve_dot_proto_dot_engine__pb2
+from pagedserve.v1 import engine_pb2 as pagedserve_dot_v1_dot_engine__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pagedserve/proto/engine_pb2_grpc.py depends on'
+        + ' but the generated code in pagedserve/v1/engine_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class EngineStub:
         """
         self.Generate = channel.unary_stream(
                 '/pagedserve.v1.Engine/Generate',
-                request_serializer=pagedserve_dot_proto_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_engine__pb2.EngineGenerateResponse.FromString,
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.EngineGenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pagedserve.v1.Engine/Abort',
-                request_serializer=pagedserve_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_engine__pb2.AbortResponse.FromString,
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pagedserve.v1.Engine/Stats',
-                request_serializer=pagedserve_dot_proto_dot_engine__pb2.StatsRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_engine__pb2.EngineStats.FromString,
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.StatsRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.EngineStats.FromString,
                 _registered_method=True)
         self.GetEngineInfo = channel.unary_unary(
                 '/pagedserve.v1.Engine/GetEngineInfo',
-                request_serializer=pagedserve_dot_proto_dot_engine__pb2.EngineInfoRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_engine__pb2.EngineInfo.FromString,
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.EngineInfoRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.EngineInfo.FromString,
                 _registered_method=True)
         self.RegisterWorker = channel.unary_unary(
                 '/pagedserve.v1.Engine/RegisterWorker',
-                request_serializer=pagedserve_dot_proto_dot_engine__pb2.RegisterWorkerRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_engine__pb2.RegisterWorkerResponse.FromString,
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerResponse.FromString,
                 _registered_method=True)
 
 
@@ -106,28 +106,28 @@ def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=pagedserve_dot_proto_dot_engine__pb2.EngineGenerateRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_engine__pb2.EngineGenerateResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.EngineGenerateRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.EngineGenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=pagedserve_dot_proto_dot_engine__pb2.AbortRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_engine__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.AbortRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.AbortResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=pagedserve_dot_proto_dot_engine__pb2.StatsRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_engine__pb2.EngineStats.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.StatsRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.EngineStats.SerializeToString,
             ),
             'GetEngineInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetEngineInfo,
-                    request_deserializer=pagedserve_dot_proto_dot_engine__pb2.EngineInfoRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_engine__pb2.EngineInfo.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.EngineInfoRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.EngineInfo.SerializeToString,
             ),
             'RegisterWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterWorker,
-                    request_deserializer=pagedserve_dot_proto_dot_engine__pb2.RegisterWorkerRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_engine__pb2.RegisterWorkerResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -155,8 +155,8 @@ class Engine:
             request,
             target,
             '/pagedserve.v1.Engine/Generate',
-            pagedserve_dot_proto_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
-            pagedserve_dot_proto_dot_engine__pb2.EngineGenerateResponse.FromString,
+            pagedserve_dot_v1_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.EngineGenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -182,8 +182,8 @@ class Engine:
             request,
             target,
             '/pagedserve.v1.Engine/Abort',
-            pagedserve_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
-            pagedserve_dot_proto_dot_engine__pb2.AbortResponse.FromString,
+            pagedserve_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -209,8 +209,8 @@ class Engine:
             request,
             target,
             '/pagedserve.v1.Engine/Stats',
-            pagedserve_dot_proto_dot_engine__pb2.StatsRequest.SerializeToString,
-            pagedserve_dot_proto_dot_engine__pb2.EngineStats.FromString,
+            pagedserve_dot_v1_dot_engine__pb2.StatsRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.EngineStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -236,8 +236,8 @@ class Engine:
             request,
             target,
             '/pagedserve.v1.Engine/GetEngineInfo',
-            pagedserve_dot_proto_dot_engine__pb2.EngineInfoRequest.SerializeToString,
-            pagedserve_dot_proto_dot_engine__pb2.EngineInfo.FromString,
+            pagedserve_dot_v1_dot_engine__pb2.EngineInfoRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.EngineInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -263,8 +263,8 @@ class Engine:
             request,
             target,
             '/pagedserve.v1.Engine/RegisterWorker',
-            pagedserve_dot_proto_dot_engine__pb2.RegisterWorkerRequest.SerializeToString,
-            pagedserve_dot_proto_dot_engine__pb2.RegisterWorkerResponse.FromString,
+            pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,
