@@ -1,4 +1,4 @@
-"""The public TextGeneration gRPC service: the HTTP API's capability on the same core."""
+"""The public gRPC service, pagedserve.v1.TextGenerationService: the HTTP API's capability on the same core."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from .protocol import check_sampling_params
 
 log = get_logger(__name__)
 
-SERVICE_NAME = text_generation_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+SERVICE_NAME = text_generation_pb2.DESCRIPTOR.services_by_name["TextGenerationService"].full_name
 _FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
@@ -30,7 +30,7 @@ _FINISH = {
 }
 
 
-class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServicer):
+class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServicer):
     def __init__(self, core: GenerationCore, api_keys: ApiKeys | None = None):
         self.core = core
         self.tokenizer = core.tokenizer

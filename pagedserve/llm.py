@@ -335,7 +335,7 @@ class LLM:
         idle_steps = 0
         while live:
             out = scheduler.schedule()
-            result = runner.execute(builder.build(out))
+            result = runner.execute(builder.build(out).plan)
             now = time.perf_counter()
             if not out.scheduled:
                 idle_steps += 1

@@ -89,7 +89,7 @@ class Request:
 
     @classmethod
     def from_generate_request(
-        cls, msg: engine_pb2.EngineGenerateRequest, eos_token_ids: frozenset[int], arrival_time: float
+        cls, msg: engine_pb2.GenerateTokensRequest, eos_token_ids: frozenset[int], arrival_time: float
     ) -> Request:
         return cls(
             request_id=msg.request_id,
@@ -105,7 +105,7 @@ class Request:
     @classmethod
     def resume(
         cls,
-        msg: engine_pb2.EngineGenerateRequest,
+        msg: engine_pb2.GenerateTokensRequest,
         index: int,
         output_token_ids: list[int],
         eos_token_ids: frozenset[int],

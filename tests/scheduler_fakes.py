@@ -215,7 +215,7 @@ class Driver:
 
     def schedule(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
-        plan = self.builder.build(out)
+        plan = self.builder.build(out).plan
         result = self.worker.execute(plan)
         assert self.builder.requests_at(out.step_id, list(result.sampled_slots)) == out.sampled
         self.outputs.append(out)

@@ -214,7 +214,8 @@ class Stack:
     # --- probes ---
     def engine_stats(self, timeout: float = 5.0) -> engine_pb2.EngineStats:
         with open_sync_channel(self.engine_address, self.client_tls) as channel:
-            return engine_pb2_grpc.EngineStub(channel).Stats(engine_pb2.StatsRequest(), timeout=timeout)
+            stub = engine_pb2_grpc.EngineServiceStub(channel)
+            return stub.GetStats(engine_pb2.GetStatsRequest(), timeout=timeout).stats
 
     def healthy_workers(self) -> set[str]:
         try:

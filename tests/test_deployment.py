@@ -155,7 +155,7 @@ def test_grpc_healthchecks_ask_the_services_the_servers_register():
 
     services = load_compose()["services"]
     worker_check = check_command(healthcheck_argv(services["worker"]))
-    assert worker_check.service in ("", worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name)
+    assert worker_check.service in ("", worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name)
 
 
 def test_workers_scale_without_fixed_names_or_host_ports(services):

@@ -474,7 +474,7 @@ def test_dropped_stream_frees_its_blocks(served):
 def _grpc_generate(served: Stack, **fields) -> list[text_generation_pb2.GenerateResponse]:
     fields.setdefault("sampling", common_pb2.SamplingParams(max_tokens=24, temperature=0))
     with grpc.insecure_channel(served.grpc_address) as channel:
-        stub = text_generation_pb2_grpc.TextGenerationStub(channel)
+        stub = text_generation_pb2_grpc.TextGenerationServiceStub(channel)
         request = text_generation_pb2.GenerateRequest(**fields)
         return list(stub.Generate(request, metadata=[("authorization", f"Bearer {API_KEY}")], timeout=60))
 
@@ -501,7 +501,7 @@ def test_grpc_prompt_text_and_token_ids_give_the_same_greedy_text(served):
 
 def test_grpc_tokenize_detokenize_and_list_models(served):
     with grpc.insecure_channel(served.grpc_address) as channel:
-        stub = text_generation_pb2_grpc.TextGenerationStub(channel)
+        stub = text_generation_pb2_grpc.TextGenerationServiceStub(channel)
         ids = stub.Tokenize(text_generation_pb2.TokenizeRequest(text=PROMPT), timeout=10)
         assert list(ids.token_ids) == _tokenize(served, prompt=PROMPT)
         assert ids.max_model_len == MAX_MODEL_LEN

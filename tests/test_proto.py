@@ -7,11 +7,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import yaml
 from google.protobuf import descriptor_pb2
 
 from pagedserve.proto import generate
 
 grpc_tools = pytest.importorskip("grpc_tools")
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_committed_stubs_match_the_proto_files(tmp_path: Path):
@@ -79,3 +82,9 @@ def test_step_plan_carries_per_request_fields_as_packed_arrays():
     # Packed repeated scalars: one tag and length for each array, not one per element.
     assert len(wire) < 16
     assert worker_pb2.StepPlan.FromString(wire) == plan
+
+
+def test_buf_lints_with_the_standard_rules_and_no_exceptions():
+    config = yaml.safe_load((REPO / "proto" / "buf.yaml").read_text())
+    assert config["version"] == "v2"
+    assert config["lint"] == {"use": ["STANDARD"]}, "no except or ignore entries"

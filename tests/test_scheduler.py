@@ -446,7 +446,7 @@ def test_failover_resumes_each_sequence_with_its_index_and_child_seed():
     from pagedserve.v1 import engine_pb2
 
     prompt = _prompt(10)
-    msg = engine_pb2.EngineGenerateRequest(
+    msg = engine_pb2.GenerateTokensRequest(
         request_id="a",
         prompt_token_ids=prompt,
         sampling=common_pb2.SamplingParams(n=3, seed=7, temperature=1.0, max_tokens=12, ignore_eos=True),

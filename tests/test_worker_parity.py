@@ -116,7 +116,7 @@ def drive(
             if not scheduler.has_unfinished_requests():
                 break
         out = scheduler.schedule()
-        plan = builder.build(out)
+        plan = builder.build(out).plan
         plans.append(plan)
         in_flight.append((out, runner.execute(plan)))
         while len(in_flight) > (1 if pipelined else 0):

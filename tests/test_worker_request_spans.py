@@ -64,5 +64,5 @@ def test_the_plan_hands_the_requests_trace_context_to_the_worker():
     request = make_request("r1", list(range(6)), max_tokens=4)
     request.trace_context = dict(PARENT)
     scheduler.add_request(request)
-    plan = PlanBuilder().build(scheduler.schedule())
+    plan = PlanBuilder().build(scheduler.schedule()).plan
     assert dict(plan.new_requests[0].trace_context) == PARENT

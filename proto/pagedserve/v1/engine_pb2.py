@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/engine.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"\x9c\x01\n\x15\x45ngineGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\"\xba\x02\n\x16\x45ngineGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprobB\x10\n\x0e_stop_token_id\"@\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"R\n\tHistogram\x12\x0e\n\x06\x62ounds\x18\x01 \x03(\x01\x12\x19\n\x11\x63umulative_counts\x18\x02 \x03(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\x0b\n\x03sum\x18\x04 \x01(\x01\"\xf8\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x19\n\x11num_blocks_in_use\x18\x05 \x01(\r\x12\x1e\n\x16num_cached_free_blocks\x18\x06 \x01(\r\x12\x13\n\x0bnum_running\x18\x07 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x11\n\tnum_steps\x18\t \x01(\x04\x12\x19\n\x11mean_step_seconds\x18\n \x01(\x01\x12\x19\n\x11mean_idle_seconds\x18\x0b \x01(\x01\x12\x1c\n\x14mean_forward_seconds\x18\x0c \x01(\x01\x12\x18\n\x10mean_gap_seconds\x18\r \x01(\x01\x12\x1c\n\x14mean_prepare_seconds\x18\x0e \x01(\x01\x12\x1c\n\x14mean_no_work_seconds\x18\x0f \x01(\x01\"\xa6\x05\n\x0b\x45ngineStats\x12\x1c\n\x14num_requests_running\x18\x01 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x04\x12\x19\n\x11generation_tokens\x18\x08 \x01(\x04\x12K\n\x11requests_finished\x18\t \x03(\x0b\x32\x30.pagedserve.v1.EngineStats.RequestsFinishedEntry\x12=\n\x1btime_to_first_token_seconds\x18\n \x01(\x0b\x32\x18.pagedserve.v1.Histogram\x12=\n\x1binter_token_latency_seconds\x18\x0b \x01(\x0b\x32\x18.pagedserve.v1.Histogram\x12=\n\x1b\x65\x32\x65_request_latency_seconds\x18\x0c \x01(\x0b\x32\x18.pagedserve.v1.Histogram\x12\x34\n\x12queue_time_seconds\x18\r \x01(\x0b\x32\x18.pagedserve.v1.Histogram\x12\x19\n\x11num_blocks_in_use\x18\x0e \x01(\r\x12+\n\x07workers\x18\x0f \x03(\x0b\x32\x1a.pagedserve.v1.WorkerStats\x1a\x37\n\x15RequestsFinishedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x13\n\x11\x45ngineInfoRequest\"\xab\x01\n\nEngineInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1b\n\x13num_healthy_workers\x18\x06 \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x07 \x01(\r\"\xa8\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\";\n\x16RegisterWorkerResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\x96\x03\n\x06\x45ngine\x12Y\n\x08Generate\x12$.pagedserve.v1.EngineGenerateRequest\x1a%.pagedserve.v1.EngineGenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12@\n\x05Stats\x12\x1b.pagedserve.v1.StatsRequest\x1a\x1a.pagedserve.v1.EngineStats\x12L\n\rGetEngineInfo\x12 .pagedserve.v1.EngineInfoRequest\x1a\x19.pagedserve.v1.EngineInfo\x12]\n\x0eRegisterWorker\x12$.pagedserve.v1.RegisterWorkerRequest\x1a%.pagedserve.v1.RegisterWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/engine.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"\x9c\x01\n\x15GenerateTokensRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\"\xba\x02\n\x16GenerateTokensResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprobB\x10\n\x0e_stop_token_id\"@\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"=\n\x10GetStatsResponse\x12)\n\x05stats\x18\x01 \x01(\x0b\x32\x1a.pagedserve.v1.EngineStats\"R\n\tHistogram\x12\x0e\n\x06\x62ounds\x18\x01 \x03(\x01\x12\x19\n\x11\x63umulative_counts\x18\x02 \x03(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\x0b\n\x03sum\x18\x04 \x01(\x01\"\xf8\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x19\n\x11num_blocks_in_use\x18\x05 \x01(\r\x12\x1e\n\x16num_cached_free_blocks\x18\x06 \x01(\r\x12\x13\n\x0bnum_running\x18\x07 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x11\n\tnum_steps\x18\t \x01(\x04\x12\x19\n\x11mean_step_seconds\x18\n \x01(\x01\x12\x19\n\x11mean_idle_seconds\x18\x0b \x01(\x01\x12\x1c\n\x14mean_forward_seconds\x18\x0c \x01(\x01\x12\x18\n\x10mean_gap_seconds\x18\r \x01(\x01\x12\x1c\n\x14mean_prepare_seconds\x18\x0e \x01(\x01\x12\x1c\n\x14mean_no_work_seconds\x18\x0f \x01(\x01\"\xa6\x05\n\x0b\x45ngineStats\x12\x1c\n\x14num_requests_running\x18\x01 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x04\x12\x19\n\x11generation_tokens\x18\x08 \x01(\x04\x12K\n\x11requests_finished\x18\t \x03(\x0b\x32\x30.pagedserve.v1.EngineStats.RequestsFinishedEntry\x12=\n\x1btime_to_first_token_seconds\x18\n \x01(\x0b\x32\x18.pagedserve.v1.Histogram\x12=\n\x1binter_token_latency_seconds\x18\x0b \x01(\x0b\x32\x18.pagedserve.v1.Histogram\x12=\n\x1b\x65\x32\x65_request_latency_seconds\x18\x0c \x01(\x0b\x32\x18.pagedserve.v1.Histogram\x12\x34\n\x12queue_time_seconds\x18\r \x01(\x0b\x32\x18.pagedserve.v1.Histogram\x12\x19\n\x11num_blocks_in_use\x18\x0e \x01(\r\x12+\n\x07workers\x18\x0f \x03(\x0b\x32\x1a.pagedserve.v1.WorkerStats\x1a\x37\n\x15RequestsFinishedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x16\n\x14GetEngineInfoRequest\"@\n\x15GetEngineInfoResponse\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x19.pagedserve.v1.EngineInfo\"\xab\x01\n\nEngineInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1b\n\x13num_healthy_workers\x18\x06 \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x07 \x01(\r\"\xa8\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\";\n\x16RegisterWorkerResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\xbc\x03\n\rEngineService\x12_\n\x0eGenerateTokens\x12$.pagedserve.v1.GenerateTokensRequest\x1a%.pagedserve.v1.GenerateTokensResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12K\n\x08GetStats\x12\x1e.pagedserve.v1.GetStatsRequest\x1a\x1f.pagedserve.v1.GetStatsResponse\x12Z\n\rGetEngineInfo\x12#.pagedserve.v1.GetEngineInfoRequest\x1a$.pagedserve.v1.GetEngineInfoResponse\x12]\n\x0eRegisterWorker\x12$.pagedserve.v1.RegisterWorkerRequest\x1a%.pagedserve.v1.RegisterWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,32 +34,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENGINESTATS_REQUESTSFINISHEDENTRY']._loaded_options = None
   _globals['_ENGINESTATS_REQUESTSFINISHEDENTRY']._serialized_options = b'8\001'
-  _globals['_ENGINEGENERATEREQUEST']._serialized_start=74
-  _globals['_ENGINEGENERATEREQUEST']._serialized_end=230
-  _globals['_ENGINEGENERATERESPONSE']._serialized_start=233
-  _globals['_ENGINEGENERATERESPONSE']._serialized_end=547
+  _globals['_GENERATETOKENSREQUEST']._serialized_start=74
+  _globals['_GENERATETOKENSREQUEST']._serialized_end=230
+  _globals['_GENERATETOKENSRESPONSE']._serialized_start=233
+  _globals['_GENERATETOKENSRESPONSE']._serialized_end=547
   _globals['_ABORTREQUEST']._serialized_start=549
   _globals['_ABORTREQUEST']._serialized_end=613
   _globals['_ABORTRESPONSE']._serialized_start=615
   _globals['_ABORTRESPONSE']._serialized_end=647
-  _globals['_STATSREQUEST']._serialized_start=649
-  _globals['_STATSREQUEST']._serialized_end=663
-  _globals['_HISTOGRAM']._serialized_start=665
-  _globals['_HISTOGRAM']._serialized_end=747
-  _globals['_WORKERSTATS']._serialized_start=750
-  _globals['_WORKERSTATS']._serialized_end=1126
-  _globals['_ENGINESTATS']._serialized_start=1129
-  _globals['_ENGINESTATS']._serialized_end=1807
-  _globals['_ENGINESTATS_REQUESTSFINISHEDENTRY']._serialized_start=1752
-  _globals['_ENGINESTATS_REQUESTSFINISHEDENTRY']._serialized_end=1807
-  _globals['_ENGINEINFOREQUEST']._serialized_start=1809
-  _globals['_ENGINEINFOREQUEST']._serialized_end=1828
-  _globals['_ENGINEINFO']._serialized_start=1831
-  _globals['_ENGINEINFO']._serialized_end=2002
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=2005
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=2173
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=2175
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=2234
-  _globals['_ENGINE']._serialized_start=2237
-  _globals['_ENGINE']._serialized_end=2643
+  _globals['_GETSTATSREQUEST']._serialized_start=649
+  _globals['_GETSTATSREQUEST']._serialized_end=666
+  _globals['_GETSTATSRESPONSE']._serialized_start=668
+  _globals['_GETSTATSRESPONSE']._serialized_end=729
+  _globals['_HISTOGRAM']._serialized_start=731
+  _globals['_HISTOGRAM']._serialized_end=813
+  _globals['_WORKERSTATS']._serialized_start=816
+  _globals['_WORKERSTATS']._serialized_end=1192
+  _globals['_ENGINESTATS']._serialized_start=1195
+  _globals['_ENGINESTATS']._serialized_end=1873
+  _globals['_ENGINESTATS_REQUESTSFINISHEDENTRY']._serialized_start=1818
+  _globals['_ENGINESTATS_REQUESTSFINISHEDENTRY']._serialized_end=1873
+  _globals['_GETENGINEINFOREQUEST']._serialized_start=1875
+  _globals['_GETENGINEINFOREQUEST']._serialized_end=1897
+  _globals['_GETENGINEINFORESPONSE']._serialized_start=1899
+  _globals['_GETENGINEINFORESPONSE']._serialized_end=1963
+  _globals['_ENGINEINFO']._serialized_start=1966
+  _globals['_ENGINEINFO']._serialized_end=2137
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=2140
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=2308
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=2310
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=2369
+  _globals['_ENGINESERVICE']._serialized_start=2372
+  _globals['_ENGINESERVICE']._serialized_end=2816
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class TextGenerationStub:
+class TextGenerationServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -35,28 +35,28 @@ class TextGenerationStub:
             channel: A grpc.Channel.
         """
         self.Generate = channel.unary_stream(
-                '/pagedserve.v1.TextGeneration/Generate',
+                '/pagedserve.v1.TextGenerationService/Generate',
                 request_serializer=pagedserve_dot_v1_dot_text__generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_text__generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
-                '/pagedserve.v1.TextGeneration/Tokenize',
+                '/pagedserve.v1.TextGenerationService/Tokenize',
                 request_serializer=pagedserve_dot_v1_dot_text__generation__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_text__generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.Detokenize = channel.unary_unary(
-                '/pagedserve.v1.TextGeneration/Detokenize',
+                '/pagedserve.v1.TextGenerationService/Detokenize',
                 request_serializer=pagedserve_dot_v1_dot_text__generation__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_text__generation__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
-                '/pagedserve.v1.TextGeneration/ListModels',
+                '/pagedserve.v1.TextGenerationService/ListModels',
                 request_serializer=pagedserve_dot_v1_dot_text__generation__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_text__generation__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
 
 
-class TextGenerationServicer:
+class TextGenerationServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
@@ -90,7 +90,7 @@ class TextGenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_TextGenerationServicer_to_server(servicer, server):
+def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -114,13 +114,13 @@ def add_TextGenerationServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'pagedserve.v1.TextGeneration', rpc_method_handlers)
+            'pagedserve.v1.TextGenerationService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pagedserve.v1.TextGeneration', rpc_method_handlers)
+    server.add_registered_method_handlers('pagedserve.v1.TextGenerationService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class TextGeneration:
+class TextGenerationService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -137,7 +137,7 @@ class TextGeneration:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pagedserve.v1.TextGeneration/Generate',
+            '/pagedserve.v1.TextGenerationService/Generate',
             pagedserve_dot_v1_dot_text__generation__pb2.GenerateRequest.SerializeToString,
             pagedserve_dot_v1_dot_text__generation__pb2.GenerateResponse.FromString,
             options,
@@ -164,7 +164,7 @@ class TextGeneration:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.TextGeneration/Tokenize',
+            '/pagedserve.v1.TextGenerationService/Tokenize',
             pagedserve_dot_v1_dot_text__generation__pb2.TokenizeRequest.SerializeToString,
             pagedserve_dot_v1_dot_text__generation__pb2.TokenizeResponse.FromString,
             options,
@@ -191,7 +191,7 @@ class TextGeneration:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.TextGeneration/Detokenize',
+            '/pagedserve.v1.TextGenerationService/Detokenize',
             pagedserve_dot_v1_dot_text__generation__pb2.DetokenizeRequest.SerializeToString,
             pagedserve_dot_v1_dot_text__generation__pb2.DetokenizeResponse.FromString,
             options,
@@ -218,7 +218,7 @@ class TextGeneration:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.TextGeneration/ListModels',
+            '/pagedserve.v1.TextGenerationService/ListModels',
             pagedserve_dot_v1_dot_text__generation__pb2.ListModelsRequest.SerializeToString,
             pagedserve_dot_v1_dot_text__generation__pb2.ListModelsResponse.FromString,
             options,
