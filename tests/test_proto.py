@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import filecmp
+import os
+import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -88,3 +91,20 @@ def test_buf_lints_with_the_standard_rules_and_no_exceptions():
     config = yaml.safe_load((REPO / "proto" / "buf.yaml").read_text())
     assert config["version"] == "v2"
     assert config["lint"] == {"use": ["STANDARD"]}, "no except or ignore entries"
+
+
+def _buf() -> str | None:
+    """The buf that `npm ci` in examples/node installs (a node launcher), else one on PATH."""
+    local = REPO / "examples" / "node" / "node_modules" / ".bin" / "buf"
+    if local.exists() and shutil.which("node"):
+        return str(local)
+    return shutil.which("buf")
+
+
+@pytest.mark.parametrize("command", [["lint"], ["build", "-o", os.devnull]], ids=["lint", "build"])
+def test_buf_passes_on_proto(command: list[str]):
+    buf = _buf()
+    if buf is None:
+        pytest.skip("no buf here (`npm ci` in examples/node installs one)")
+    result = subprocess.run([buf, *command], cwd=REPO / "proto", capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
