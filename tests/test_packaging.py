@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pagedserve
@@ -82,15 +83,13 @@ def test_editable_install_serves_the_contracts_stubs_from_beside_their_proto_fil
 
 
 def test_pip_install_ships_pagedserve_v1_with_its_proto_files(tmp_path: Path):
-    # Built from a copy, so the build leaves nothing in the working tree.
+    # Built from a copy of what the container images copy, so the build leaves nothing in the working tree.
     source = tmp_path / "source"
-    shutil.copytree(
-        REPO,
-        source,
-        ignore=shutil.ignore_patterns(
-            ".git", ".venv", "node_modules", "build", "*.egg-info", "__pycache__", ".*_cache", "results"
-        ),
-    )
+    package_dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for folder in {Path(d).parts[0] for d in package_dirs.values()}:
+        shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copyfile(REPO / name, source / name)
     target = tmp_path / "site"
     result = _run(
         str(BIN / "python"), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
