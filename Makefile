@@ -5,13 +5,15 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+NODE_EXAMPLE := examples/node
+NODE_STAMP := $(NODE_EXAMPLE)/node_modules/.installed
 # The CPU build of torch that lies on this machine's disk; an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 
 .PHONY: install serve test test-fast lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels bench-soak gpu-check clean
 
-install: $(STAMP)
+install: $(STAMP) $(NODE_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +25,17 @@ $(STAMP): pyproject.toml Makefile
 	# The C++ CPU kernels, built for this machine now rather than by the first worker (about a minute).
 	$(BIN)/python -m pagedserve.kernels.cpu_ops
 	touch $(STAMP)
+
+# The Node.js example's packages, buf among them (it lints the contracts). Optional: without npm, or
+# offline, a warning, and the tests that need them skip.
+$(NODE_STAMP): $(NODE_EXAMPLE)/package.json $(NODE_EXAMPLE)/package-lock.json
+	@if ! command -v npm >/dev/null 2>&1; then \
+		echo "warning: no npm on PATH: $(NODE_EXAMPLE) is not installed (its test and the buf checks skip)"; \
+	elif (cd $(NODE_EXAMPLE) && npm ci --prefer-offline --no-audit --no-fund --loglevel=error); then \
+		touch $@; \
+	else \
+		echo "warning: npm ci failed in $(NODE_EXAMPLE) (offline?); its test and the buf checks skip"; \
+	fi
 
 serve: install
 	$(BIN)/pagedserve serve $(SERVE_ARGS)
@@ -44,7 +57,7 @@ format: install
 	$(BIN)/ruff format .
 	$(BIN)/clang-format -i kernels/*.cpp kernels/*.h
 
-# Regenerate the committed gRPC stubs after editing proto/*.proto.
+# Regenerate the committed gRPC stubs after editing proto/pagedserve/v1/*.proto.
 proto: install
 	$(BIN)/python -m pagedserve.proto.generate
 
@@ -83,4 +96,4 @@ gpu-check:
 	bash bench/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis bench/results
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis bench/results $(NODE_EXAMPLE)/node_modules

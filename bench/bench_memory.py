@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 from pagedserve.model_files import load_generation_info, resolve_model
-from pagedserve.proto import common_pb2, worker_pb2
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.request import Request
 from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.v1 import common_pb2, worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCacheSpec
 from pagedserve.worker_svc.loader import parse_dtype
 from pagedserve.worker_svc.model import ModelConfig

@@ -22,11 +22,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from tqdm import tqdm
 
-from pagedserve.proto import common_pb2, worker_pb2
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.plan import PlanBuilder
 from pagedserve.scheduler_svc.request import Request
 from pagedserve.scheduler_svc.scheduler import Scheduler, SchedulerOutput
+from pagedserve.v1 import common_pb2, worker_pb2
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK_SIZE = 16

@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from pagedserve.model_files import resolve_model
-from pagedserve.proto import common_pb2, worker_pb2
+from pagedserve.v1 import common_pb2, worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec
 from pagedserve.worker_svc.loader import cpu_has_native_bf16, load_model, parse_dtype
 from pagedserve.worker_svc.runner import ModelRunner

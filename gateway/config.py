@@ -16,8 +16,8 @@ from pagedserve.grpc_utils import TLSConfig
 class GatewayConfig:
     host: str = "0.0.0.0"  # interface the HTTP and gRPC servers listen on
     port: int = 8000  # HTTP port of the OpenAI API
-    grpc_port: int = 50051  # port of the public TextGeneration gRPC service; 0: no gRPC server
-    scheduler: str = "localhost:50052"  # host:port of the scheduler's Engine service
+    grpc_port: int = 50051  # port of the public TextGenerationService gRPC service; 0: no gRPC server
+    scheduler: str = "localhost:50052"  # host:port of the scheduler's EngineService
     model: str = "default"  # model spec (folder, .gguf or "default") for the tokenizer and chat template
     served_model_name: str | None = None  # name clients pass as `model`; None: the model's own name
     api_key: str | None = None  # when set, /v1 paths need "Authorization: Bearer <key>"
@@ -49,8 +49,8 @@ class GatewayConfig:
         add = flags.add
         add("--host", str, "address the HTTP and gRPC servers listen on", d.host)
         add("--port", int, "HTTP port of the OpenAI API", d.port)
-        add("--grpc-port", int, "port of the public TextGeneration gRPC API; 0: none", d.grpc_port)
-        add("--scheduler", str, "host:port of the scheduler's Engine service", d.scheduler)
+        add("--grpc-port", int, "port of the public TextGenerationService gRPC API; 0: none", d.grpc_port)
+        add("--scheduler", str, "host:port of the scheduler's EngineService", d.scheduler)
         add("--model", str, "model folder, .gguf or 'default' (tokenizer and chat template)", d.model)
         add("--served-model-name", str, "name clients pass as `model` (default: the model's)")
         add("--api-key", str, "when set, /v1 paths need `Authorization: Bearer <key>`")

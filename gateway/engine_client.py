@@ -1,4 +1,4 @@
-"""Async client of the scheduler's Engine service (grpc.aio): generate, abort, stats, info.
+"""Async client of the scheduler's EngineService (grpc.aio): generate, abort, stats, info.
 
 Leaving a `generate` stream early (the consumer stops, or its task is cancelled because the client
 went away) cancels the call and sends an explicit Abort, so the request's blocks are freed within a
@@ -16,8 +16,8 @@ from opentelemetry.context import Context
 from pagedserve.errors import from_grpc_error
 from pagedserve.grpc_utils import PLAINTEXT, TLSConfig, open_channel, open_sync_channel
 from pagedserve.logging import get_logger
-from pagedserve.proto import engine_pb2, engine_pb2_grpc
 from pagedserve.tracing import inject_metadata
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc
 
 log = get_logger(__name__)
 
@@ -32,14 +32,14 @@ class EngineClient:
         # NOTE: the channel reconnects by itself (within ~2 s, see CHANNEL_OPTIONS) when the scheduler
         # restarts; calls made while it is down fail at once with UNAVAILABLE (a 503 to the client).
         self._channel = open_channel(address, tls)
-        self._stub = engine_pb2_grpc.EngineStub(self._channel)
+        self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._background: set[asyncio.Task] = set()  # aborts in flight, kept referenced until done
         self._sync_channel: grpc.Channel | None = None
 
     async def generate(
-        self, request: engine_pb2.EngineGenerateRequest, trace_context: Context | None = None
-    ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
-        call = self._stub.Generate(request, metadata=inject_metadata(trace_context))
+        self, request: engine_pb2.GenerateTokensRequest, trace_context: Context | None = None
+    ) -> AsyncIterator[engine_pb2.GenerateTokensResponse]:
+        call = self._stub.GenerateTokens(request, metadata=inject_metadata(trace_context))
         finished = False
         try:
             async for response in call:
@@ -72,25 +72,28 @@ class EngineClient:
 
     async def stats(self) -> engine_pb2.EngineStats:
         try:
-            return await self._stub.Stats(engine_pb2.StatsRequest(), timeout=INFO_TIMEOUT_S)
+            response = await self._stub.GetStats(engine_pb2.GetStatsRequest(), timeout=INFO_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
             raise from_grpc_error(error) from None
+        return response.stats
 
     async def info(self, timeout: float = INFO_TIMEOUT_S) -> engine_pb2.EngineInfo:
         try:
-            return await self._stub.GetEngineInfo(engine_pb2.EngineInfoRequest(), timeout=timeout)
+            response = await self._stub.GetEngineInfo(engine_pb2.GetEngineInfoRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as error:
             raise from_grpc_error(error) from None
+        return response.info
 
     def stats_sync(self, timeout: float = INFO_TIMEOUT_S) -> engine_pb2.EngineStats:
-        """Blocking Stats, for prometheus_client's collectors (run in a thread, never on the loop)."""
+        """Blocking GetStats, for prometheus_client's collectors (run in a thread, never on the loop)."""
         if self._sync_channel is None:
             self._sync_channel = open_sync_channel(self.address, self.tls)
-        stub = engine_pb2_grpc.EngineStub(self._sync_channel)
+        stub = engine_pb2_grpc.EngineServiceStub(self._sync_channel)
         try:
-            return stub.Stats(engine_pb2.StatsRequest(), timeout=timeout)
+            response = stub.GetStats(engine_pb2.GetStatsRequest(), timeout=timeout)
         except grpc.RpcError as error:
             raise from_grpc_error(error) from None
+        return response.stats
 
     async def close(self) -> None:
         if self._background:

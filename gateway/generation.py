@@ -20,7 +20,7 @@ from opentelemetry.context import Context
 
 from pagedserve.errors import InvalidRequestError, ModelNotFoundError, UnavailableError
 from pagedserve.logging import get_logger
-from pagedserve.proto import common_pb2, engine_pb2
+from pagedserve.v1 import common_pb2, engine_pb2
 
 from .engine_client import EngineClient
 from .tokenization import IncrementalDetokenizer, SequenceText, StopStringMatcher, Tokenizer
@@ -262,7 +262,7 @@ class GenerationCore:
         engine_sp = common_pb2.SamplingParams()
         engine_sp.CopyFrom(sp)
         del engine_sp.stop[:]  # stop strings are the gateway's business
-        request = engine_pb2.EngineGenerateRequest(
+        request = engine_pb2.GenerateTokensRequest(
             request_id=engine_id,
             prompt_token_ids=prompt.token_ids,
             sampling=engine_sp,
@@ -329,7 +329,7 @@ class GenerationCore:
         yield UsageInfo(len(prompt.token_ids), sum(c.num_tokens for c in choices), cached_tokens)
 
     def _consume(
-        self, choice: _Choice, msg: engine_pb2.EngineGenerateResponse, sp: common_pb2.SamplingParams
+        self, choice: _Choice, msg: engine_pb2.GenerateTokensResponse, sp: common_pb2.SamplingParams
     ) -> ChoiceDelta:
         finish = FINISH_REASONS.get(msg.finish_reason)
         token_ids = list(msg.token_ids)
@@ -355,7 +355,7 @@ class GenerationCore:
         )
 
 
-async def _drain_usage(stream: AsyncIterator[engine_pb2.EngineGenerateResponse], cached_tokens: int) -> int:
+async def _drain_usage(stream: AsyncIterator[engine_pb2.GenerateTokensResponse], cached_tokens: int) -> int:
     async def drain() -> int:
         found = cached_tokens
         async for msg in stream:

@@ -1,4 +1,4 @@
-"""The public TextGeneration gRPC service: the HTTP API's capability on the same core."""
+"""The public gRPC service, pagedserve.v1.TextGenerationService: the HTTP API's capability on the same core."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pagedserve.errors import (
     abort_with,
 )
 from pagedserve.logging import get_logger
-from pagedserve.proto import common_pb2, text_generation_pb2, text_generation_pb2_grpc
 from pagedserve.tracing import extract_context
+from pagedserve.v1 import common_pb2, text_generation_pb2, text_generation_pb2_grpc
 
 from .auth import ApiKeys, combined_salt
 from .generation import ChoiceDelta, GenerationCore, Prompt, UsageInfo, new_request_id
@@ -22,7 +22,7 @@ from .protocol import check_sampling_params
 
 log = get_logger(__name__)
 
-SERVICE_NAME = text_generation_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+SERVICE_NAME = text_generation_pb2.DESCRIPTOR.services_by_name["TextGenerationService"].full_name
 _FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
@@ -30,7 +30,7 @@ _FINISH = {
 }
 
 
-class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServicer):
+class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServicer):
     def __init__(self, core: GenerationCore, api_keys: ApiKeys | None = None):
         self.core = core
         self.tokenizer = core.tokenizer

@@ -1,4 +1,4 @@
-"""/metrics: the engine's numbers (Engine.Stats, fetched at scrape time) in the names vLLM users know.
+"""/metrics: the engine's numbers (EngineService.GetStats, fetched at scrape time) in the names vLLM users know.
 
 Every metric is exported as `pagedserve:<name>` and, optionally, as vLLM's `vllm:<name>` alias, with a
 `model_name` label as vLLM has it.
@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from pagedserve.logging import get_logger
-from pagedserve.proto import engine_pb2
+from pagedserve.v1 import engine_pb2
 
 log = get_logger(__name__)
 
@@ -34,10 +34,10 @@ class EngineStatsCollector(Collector):
             stats = self.fetch()
         except Exception as error:  # a scrape must still answer when the scheduler is down
             log.warning("engine stats unavailable", error=str(error))
-            up = GaugeMetricFamily("pagedserve:engine_up", "Whether Engine.Stats answered", value=0)
+            up = GaugeMetricFamily("pagedserve:engine_up", "Whether EngineService.GetStats answered", value=0)
             yield up
             return
-        yield GaugeMetricFamily("pagedserve:engine_up", "Whether Engine.Stats answered", value=1)
+        yield GaugeMetricFamily("pagedserve:engine_up", "Whether EngineService.GetStats answered", value=1)
         for prefix in self.prefixes:
             yield from self._families(prefix, stats)
 

@@ -28,8 +28,8 @@ from pagedserve.errors import (
     retry_after_seconds,
 )
 from pagedserve.logging import get_logger
-from pagedserve.proto import common_pb2
 from pagedserve.tracing import extract_context
+from pagedserve.v1 import common_pb2
 
 from . import metrics
 from .auth import ApiKeys, combined_salt
@@ -127,7 +127,7 @@ def create_app(
     async def metrics_route() -> Response:
         if registry is None:
             return Response(b"", media_type=CONTENT_TYPE_LATEST)
-        # NOTE: the collector calls Engine.Stats synchronously; a thread keeps the event loop free.
+        # NOTE: the collector calls EngineService.GetStats synchronously; a thread keeps the event loop free.
         body = await asyncio.to_thread(metrics.render, registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 

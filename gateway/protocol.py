@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.proto import common_pb2
+from pagedserve.v1 import common_pb2
 from pagedserve.validation import Limits, check_sampling, reduce_seed
 
 _UNBOUNDED_N = Limits(max_n=(1 << 32) - 1)

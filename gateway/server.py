@@ -13,9 +13,9 @@ import uvicorn
 from pagedserve.errors import PagedServeError
 from pagedserve.grpc_utils import SERVER_OPTIONS, add_health_and_reflection, set_serving
 from pagedserve.logging import configure_logging, get_logger
-from pagedserve.proto import text_generation_pb2_grpc
 from pagedserve.service_main import freeze_startup_objects, run_event_loop
 from pagedserve.tracing import setup_tracing
+from pagedserve.v1 import text_generation_pb2_grpc
 
 from .auth import ApiKeys
 from .config import GatewayConfig
@@ -104,7 +104,7 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer, model: ModelInfo) -
     servicer = TextGenerationServicer(app.state.gateway.core, ApiKeys(config.all_api_keys()))
     if config.grpc_port:
         grpc_server = grpc.aio.server(options=SERVER_OPTIONS)
-        text_generation_pb2_grpc.add_TextGenerationServicer_to_server(servicer, grpc_server)
+        text_generation_pb2_grpc.add_TextGenerationServiceServicer_to_server(servicer, grpc_server)
         health = add_health_and_reflection(grpc_server, [SERVICE_NAME])
         grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
         await grpc_server.start()

@@ -3,10 +3,10 @@
 // product), a bf16 linear layer (AVX-512 BF16, or AVX2 with FMA), the sampler's argmax, and DecoderStack,
 // which runs all layers of a step in one call.
 //
-// Same contracts as kernels/reference.py (see there and proto/worker.proto). Every kernel reads bf16,
-// fp16 or fp32 and computes in float32; the pointwise ones round to the tensor dtype exactly where the
-// PyTorch formulas in reference.py round, so in bf16 they agree bit for bit with them except for the
-// order of the sums inside RMSNorm and attention.
+// Same contracts as kernels/reference.py (see there and proto/pagedserve/v1/worker.proto). Every kernel
+// reads bf16, fp16 or fp32 and computes in float32; the pointwise ones round to the tensor dtype exactly
+// where the PyTorch formulas in reference.py round, so in bf16 they agree bit for bit with them except for
+// the order of the sums inside RMSNorm and attention.
 //
 // Built once per machine by kernels/cpu_ops.py (torch.utils.cpp_extension, with -march=native), with the
 // Python bindings of kernels/cpu_bindings.cpp.

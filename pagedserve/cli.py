@@ -13,7 +13,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pagedserve.launcher", "start worker(s), scheduler and gateway as local processes"),
     "worker": ("pagedserve.worker_svc.server", "run one worker (model, KV pool, sampling)"),
-    "scheduler": ("pagedserve.scheduler_svc.server", "run the scheduler (Engine service)"),
+    "scheduler": ("pagedserve.scheduler_svc.server", "run the scheduler (EngineService)"),
     "gateway": ("pagedserve.gateway.server", "run the gateway (OpenAI HTTP API and gRPC API)"),
     "bench": ("pagedserve.bench", "benchmarks: serve (load generator), throughput (offline)"),
     "prepare-model": (

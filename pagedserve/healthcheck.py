@@ -1,7 +1,7 @@
 """`pagedserve healthcheck`: exit 0 when a service reports healthy, 1 when not (container health checks).
 
     pagedserve healthcheck --grpc localhost:50052                 grpc.health.v1 Check, "" = whole server
-    pagedserve healthcheck --grpc localhost:50061 --service pagedserve.v1.Worker
+    pagedserve healthcheck --grpc localhost:50061 --service pagedserve.v1.WorkerService
     pagedserve healthcheck --http http://localhost:8000/health   any 2xx answer
 
 It imports grpc alone (no torch, no transformers): Docker runs it every few seconds in every container.

@@ -212,16 +212,16 @@ class _Stop(Exception):
 def _engine_ready(address: str, workers: int, tls) -> bool:
     """The scheduler is SERVING and all `workers` registered."""
     from pagedserve.grpc_utils import check_health, open_channel
-    from pagedserve.proto import engine_pb2, engine_pb2_grpc
+    from pagedserve.v1 import engine_pb2, engine_pb2_grpc
 
     async def probe() -> bool:
         if not await check_health(address, timeout=1.0, tls=tls):
             return False
         async with open_channel(address, tls) as channel:
-            info = await engine_pb2_grpc.EngineStub(channel).GetEngineInfo(
-                engine_pb2.EngineInfoRequest(), timeout=1.0
+            response = await engine_pb2_grpc.EngineServiceStub(channel).GetEngineInfo(
+                engine_pb2.GetEngineInfoRequest(), timeout=1.0
             )
-            return info.num_healthy_workers >= workers
+            return response.info.num_healthy_workers >= workers
 
     try:
         return asyncio.run(probe())

@@ -31,13 +31,13 @@ import torch
 
 from pagedserve.gateway.tokenization import IncrementalDetokenizer, SequenceText, StopStringMatcher, Tokenizer
 from pagedserve.model_files import load_generation_info, model_name, resolve_model
-from pagedserve.proto import common_pb2
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.plan import PlanBuilder
 from pagedserve.scheduler_svc.request import Request
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.service_main import freeze_startup_objects
+from pagedserve.v1 import common_pb2
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
 from pagedserve.worker_svc.loader import load_model, parse_dtype
 from pagedserve.worker_svc.runner import ModelRunner
@@ -335,7 +335,7 @@ class LLM:
         idle_steps = 0
         while live:
             out = scheduler.schedule()
-            result = runner.execute(builder.build(out))
+            result = runner.execute(builder.build(out).plan)
             now = time.perf_counter()
             if not out.scheduled:
                 idle_steps += 1

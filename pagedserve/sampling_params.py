@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.proto import common_pb2
+from pagedserve.v1 import common_pb2
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.proto import common_pb2
+from pagedserve.v1 import common_pb2
 
 # Seeds live in uint64: any integer a client sends is taken modulo 2^64, and forks add to it there.
 SEED_MODULUS = 1 << 64

@@ -19,13 +19,13 @@ import grpc
 from pagedserve.errors import InvalidRequestError, OverloadedError, PagedServeError, UnavailableError
 from pagedserve.grpc_utils import WORKER_CHANNEL_OPTIONS, open_channel
 from pagedserve.logging import get_logger
-from pagedserve.proto import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 from pagedserve.scheduler_svc.metrics import EngineMetrics
 from pagedserve.scheduler_svc.request_stream import END, RequestStream
 from pagedserve.scheduler_svc.router import choose_worker
 from pagedserve.scheduler_svc.scheduler import RequestOutput, Scheduler, SchedulerOutput
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
 from pagedserve.scheduler_svc.worker_loop import WorkerEngine
+from pagedserve.v1 import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 
 log = get_logger("pagedserve.scheduler.engine")
 
@@ -37,7 +37,7 @@ FINISH_NAMES = {
 
 
 class Engine:
-    """The workers, the live request streams, routing, and the numbers behind Stats."""
+    """The workers, the live request streams, routing, and the numbers behind GetStats."""
 
     def __init__(
         self,
@@ -96,7 +96,8 @@ class Engine:
             return engine_pb2.RegisterWorkerResponse(accepted=True)
         channel = open_channel(reg.address, self.config.tls, WORKER_CHANNEL_OPTIONS)
         try:
-            info = await worker_pb2_grpc.WorkerStub(channel).Reset(worker_pb2.ResetRequest(), timeout=30.0)
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            info = (await stub.Reset(worker_pb2.ResetRequest(), timeout=30.0)).info
         except grpc.RpcError as error:
             await channel.close()
             return refuse(f"cannot reach the worker at {reg.address}: {error.code().name}")
@@ -154,7 +155,7 @@ class Engine:
         while not worker.closed:
             await asyncio.sleep(backoff)
             try:
-                info = await worker.stub.Reset(worker_pb2.ResetRequest(), timeout=5.0)
+                info = (await worker.stub.Reset(worker_pb2.ResetRequest(), timeout=5.0)).info
             except grpc.RpcError:
                 backoff = min(backoff * 2, 10.0)
                 continue
@@ -206,7 +207,7 @@ class Engine:
             self._fail(stream, UnavailableError("the scheduler is shutting down"))
 
     # --- requests ---
-    def submit(self, msg: engine_pb2.EngineGenerateRequest, span=None) -> RequestStream:
+    def submit(self, msg: engine_pb2.GenerateTokensRequest, span=None) -> RequestStream:
         if self.draining:
             raise UnavailableError("the scheduler is shutting down; retry on another replica or later")
         self._validate(msg)
@@ -221,7 +222,7 @@ class Engine:
         self.streams[msg.request_id] = stream
         return stream
 
-    def _validate(self, msg: engine_pb2.EngineGenerateRequest) -> None:
+    def _validate(self, msg: engine_pb2.GenerateTokensRequest) -> None:
         if not msg.request_id:
             raise InvalidRequestError("request_id is required", param="request_id")
         prompt_len = len(msg.prompt_token_ids)
@@ -312,7 +313,7 @@ class Engine:
         for i in unfinished if whole else [index]:
             stream.sequences[i].finish_reason = common_pb2.FINISH_REASON_ABORT
             messages.append(
-                engine_pb2.EngineGenerateResponse(
+                engine_pb2.GenerateTokensResponse(
                     request_id=request_id, index=i, finish_reason=common_pb2.FINISH_REASON_ABORT
                 )
             )
@@ -376,7 +377,7 @@ class Engine:
             if stream.cached_prompt_tokens < 0:
                 stream.cached_prompt_tokens = out.num_cached_tokens
             token_ids = list(out.new_token_ids)
-            message = engine_pb2.EngineGenerateResponse(
+            message = engine_pb2.GenerateTokensResponse(
                 request_id=stream.request_id, index=index, token_ids=token_ids
             )
             if token_ids:

@@ -10,7 +10,7 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
-from pagedserve.proto import engine_pb2, worker_pb2
+from pagedserve.v1 import engine_pb2, worker_pb2
 
 TTFT_BOUNDS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,

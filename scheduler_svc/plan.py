@@ -1,5 +1,8 @@
 """Turns each SchedulerOutput into the worker's StepPlan: deltas only, requests addressed by slot.
 
+The plan is built in place inside the StepsRequest that carries it on the Steps stream, so sending it
+copies nothing; code that wants the plan alone (the offline LLM, tests) reads the request's `plan`.
+
 Call build() right after schedule(), before any update_from_output(): it reads the requests' token
 ids and block tables as schedule() left them.
 """
@@ -8,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 
-from pagedserve.proto import worker_pb2
+from pagedserve.v1 import worker_pb2
 
 from .request import Request
 from .scheduler import SchedulerOutput
@@ -37,10 +40,13 @@ class PlanBuilder:
     def slot_of(self, req: Request) -> int | None:
         return self._slot_of.get(req)
 
-    def build(self, out: SchedulerOutput) -> worker_pb2.StepPlan:
+    def build(self, out: SchedulerOutput) -> worker_pb2.StepsRequest:
+        """The Steps stream's message for this output, its `plan` filled in place."""
         assert out.step_id == self._last_step_id + 1, f"step {out.step_id} after {self._last_step_id}"
         self._last_step_id = out.step_id
-        plan = worker_pb2.StepPlan(step_id=out.step_id)
+        request = worker_pb2.StepsRequest()
+        plan = request.plan
+        plan.step_id = out.step_id
         # 1. Departures first: their slots are free for this plan's newcomers.
         plan.finished_slots.extend(self._release(out.finished))
         plan.preempted_slots.extend(self._release(out.preempted))
@@ -70,16 +76,14 @@ class PlanBuilder:
                 # NOTE: requests enter with every token known (forks and comebacks wait for
                 # their samples), so the worker gets the whole list once.
                 assert num_computed + num_tokens <= len(req.token_ids), "entering with unknown tokens"
-                plan.new_requests.append(
-                    worker_pb2.NewRequest(
-                        slot=slot,
-                        request_id=req.request_id,
-                        token_ids=req.token_ids,
-                        prompt_len=req.prompt_len,
-                        num_computed_tokens=num_computed,
-                        sampling=req.sampling,
-                        trace_context=req.trace_context,
-                    )
+                plan.new_requests.add(
+                    slot=slot,
+                    request_id=req.request_id,
+                    token_ids=req.token_ids,
+                    prompt_len=req.prompt_len,
+                    num_computed_tokens=num_computed,
+                    sampling=req.sampling,
+                    trace_context=req.trace_context,
                 )
             table = req.block_table
             have = sent[slot]
@@ -96,7 +100,7 @@ class PlanBuilder:
         plan.new_block_ids.extend(new_block_ids)
         self._steps[out.step_id] = (slots, out.scheduled)
         self._steps.pop(out.step_id - _KEPT_STEPS, None)
-        return plan
+        return request
 
     def requests_at(self, step_id: int, slots: list[int]) -> list[Request]:
         """The requests the given slots addressed at that step (e.g. StepResult.sampled_slots, or

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pagedserve.proto import common_pb2, engine_pb2
+from pagedserve.v1 import common_pb2, engine_pb2
 from pagedserve.validation import child_seed
 
 from .prefix_cache import CacheNode
@@ -90,7 +90,7 @@ class Request:
 
     @classmethod
     def from_generate_request(
-        cls, msg: engine_pb2.EngineGenerateRequest, eos_token_ids: frozenset[int], arrival_time: float
+        cls, msg: engine_pb2.GenerateTokensRequest, eos_token_ids: frozenset[int], arrival_time: float
     ) -> Request:
         return cls(
             request_id=msg.request_id,
@@ -106,7 +106,7 @@ class Request:
     @classmethod
     def resume(
         cls,
-        msg: engine_pb2.EngineGenerateRequest,
+        msg: engine_pb2.GenerateTokensRequest,
         index: int,
         output_token_ids: list[int],
         eos_token_ids: frozenset[int],

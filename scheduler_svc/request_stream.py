@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
-from pagedserve.proto import common_pb2, engine_pb2
 from pagedserve.scheduler_svc.request import Request
 from pagedserve.tracing import inject_metadata
+from pagedserve.v1 import common_pb2, engine_pb2
 
 if TYPE_CHECKING:
     from pagedserve.scheduler_svc.worker_loop import WorkerEngine
@@ -40,7 +40,7 @@ class SequenceProgress:
 class RequestStream:
     """One Generate call: the queue its messages go through, and what its client has seen."""
 
-    def __init__(self, msg: engine_pb2.EngineGenerateRequest, span=None):
+    def __init__(self, msg: engine_pb2.GenerateTokensRequest, span=None):
         self.request_id = msg.request_id
         self.msg = msg
         self.n = max(1, msg.sampling.n)
@@ -48,7 +48,7 @@ class RequestStream:
         self.arrival_time = time.time()
         self.arrival = time.monotonic()
         self.sequences = [SequenceProgress() for _ in range(self.n)]
-        # EngineGenerateResponse messages, then END; or a PagedServeError.
+        # GenerateTokensResponse messages, then END; or a PagedServeError.
         self.queue: asyncio.Queue = asyncio.Queue()
         # The worker computing it; None while it waits for one.
         self.worker: WorkerEngine | None = None

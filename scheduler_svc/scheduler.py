@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from pagedserve.proto import common_pb2, worker_pb2
+from pagedserve.v1 import common_pb2, worker_pb2
 
 from .config import SchedulerConfig
 from .kv_cache_manager import CowCopy, KVCacheManager, PrefixHit

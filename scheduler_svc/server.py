@@ -1,4 +1,4 @@
-"""The scheduler process: the Engine gRPC service over the engine, health, reflection.
+"""The scheduler process: the EngineService gRPC service over the engine, health, reflection.
 
     pagedserve scheduler --model default --port 50052
 
@@ -23,27 +23,27 @@ from pagedserve.errors import PagedServeError, abort_with
 from pagedserve.grpc_utils import SERVER_OPTIONS, add_health_and_reflection, listen, set_serving
 from pagedserve.logging import get_logger
 from pagedserve.model_files import load_generation_info, model_name, resolve_model
-from pagedserve.proto import engine_pb2, engine_pb2_grpc
 from pagedserve.scheduler_svc.engine import Engine
 from pagedserve.scheduler_svc.request_stream import END, RequestStream
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
 from pagedserve.service_main import freeze_startup_objects, run_service, stop_on_signals
 from pagedserve.tracing import extract_context, get_tracer
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc
 
-SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
 log = get_logger("pagedserve.scheduler")
 tracer = get_tracer("pagedserve.scheduler")
 
 
-class EngineServicer(engine_pb2_grpc.EngineServicer):
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self, engine: Engine, sync_health):
         self.engine = engine
         self.sync_health = sync_health
 
-    async def Generate(
-        self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+    async def GenerateTokens(
+        self, request: engine_pb2.GenerateTokensRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.GenerateTokensResponse]:
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
         span = tracer.start_span(
             "scheduler.generate",
@@ -93,11 +93,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         log.info("request_aborted", request_id=request.request_id, index=index, was_live=aborted)
         return engine_pb2.AbortResponse(aborted=aborted)
 
-    async def Stats(self, request: engine_pb2.StatsRequest, context) -> engine_pb2.EngineStats:
-        return self.engine.stats()
+    async def GetStats(self, request: engine_pb2.GetStatsRequest, context) -> engine_pb2.GetStatsResponse:
+        return engine_pb2.GetStatsResponse(stats=self.engine.stats())
 
-    async def GetEngineInfo(self, request: engine_pb2.EngineInfoRequest, context) -> engine_pb2.EngineInfo:
-        return self.engine.info()
+    async def GetEngineInfo(
+        self, request: engine_pb2.GetEngineInfoRequest, context
+    ) -> engine_pb2.GetEngineInfoResponse:
+        return engine_pb2.GetEngineInfoResponse(info=self.engine.info())
 
     async def RegisterWorker(
         self, request: engine_pb2.RegisterWorkerRequest, context
@@ -129,7 +131,7 @@ class SchedulerServer:
         self.engine = engine
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.servicer = EngineServicer(engine, self.sync_health)
-        engine_pb2_grpc.add_EngineServicer_to_server(self.servicer, self.server)
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
         engine.on_health_change = lambda _serving: asyncio.get_running_loop().create_task(self.sync_health())
         self.port = 0

@@ -20,12 +20,12 @@ POLICIES = ("fcfs", "priority")
 
 @dataclass(slots=True)
 class SchedulerServiceConfig(ServiceTLSFields):
-    # TLS (inherited): on the Engine service and on the channels to workers.
+    # TLS (inherited): on the EngineService and on the channels to workers.
 
     # Model: a folder, a .gguf file, or None / "default" for the default model. Only its tokenizer's
     # special tokens and generation config are read here, never the weights.
     model: str | None = None
-    # Where the Engine gRPC service listens; port 0 picks a free one.
+    # Where the EngineService gRPC service listens; port 0 picks a free one.
     host: str = "0.0.0.0"
     port: int = 50052
     # Longest sequence in tokens (prompt plus output); None: the model's own.
@@ -80,7 +80,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     """The `pagedserve scheduler` flags, each defaulting to its PAGEDSERVE_* variable."""
     parser = argparse.ArgumentParser(
         prog="pagedserve scheduler",
-        description="Serve the Engine gRPC service: block tables, prefix cache, continuous batching.",
+        description="Serve the EngineService gRPC service: block tables, prefix cache, continuous batching.",
     )
 
     flags = EnvFlags(parser, env)

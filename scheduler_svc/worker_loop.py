@@ -1,4 +1,4 @@
-"""One worker's loop: its scheduler core, its plan builder, and its one `Worker.Steps` stream.
+"""One worker's loop: its scheduler core, its plan builder, and its one `WorkerService.Steps` stream.
 
 The loop keeps up to `max_inflight_plans` plans in flight, so plan N+1 is built, encoded and on the wire
 while the worker computes step N; when the core has nothing to schedule (`Scheduler.has_work()`) it
@@ -17,13 +17,13 @@ import grpc
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.logging import get_logger
-from pagedserve.proto import engine_pb2, worker_pb2, worker_pb2_grpc
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.metrics import WorkerCounters
 from pagedserve.scheduler_svc.plan import PlanBuilder
 from pagedserve.scheduler_svc.request_stream import RequestStream
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.tracing import get_tracer
+from pagedserve.v1 import engine_pb2, worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
     from pagedserve.scheduler_svc.engine import Engine
@@ -51,7 +51,7 @@ class WorkerEngine:
         self.address = registration.address
         self.info = info
         self.channel = channel
-        self.stub = worker_pb2_grpc.WorkerStub(channel)
+        self.stub = worker_pb2_grpc.WorkerServiceStub(channel)
         cfg = engine.config
         self.core_config = SchedulerConfig(
             num_blocks=info.num_blocks,
@@ -166,7 +166,8 @@ class WorkerEngine:
                 # wire while the worker computes step N.
                 while len(in_flight) < max_inflight and scheduler.has_work():
                     output = scheduler.schedule()
-                    plan = plan_builder.build(output)
+                    request = plan_builder.build(output)
+                    plan = request.plan
                     span = tracer.start_span(
                         "worker.step",
                         attributes={
@@ -176,7 +177,7 @@ class WorkerEngine:
                             "step.num_scheduled_tokens": output.total_num_scheduled_tokens,
                         },
                     )
-                    await call.write(plan)
+                    await call.write(request)
                     in_flight.append((output, span, waited_for_work))
                     waited_for_work = False
                     self.engine.on_scheduled(self, output)
@@ -193,10 +194,11 @@ class WorkerEngine:
                     wakeup.cancel()
                     pending_read.result()  # raises the stream's error, if it broke
                     raise WorkerLost("the worker's Steps stream ended with no plan in flight")
-                result = await pending_read
+                response = await pending_read
                 pending_read = None
-                if result is grpc.aio.EOF:
+                if response is grpc.aio.EOF:
                     raise WorkerLost("the worker closed its Steps stream")
+                result = response.result
                 output, span, after_no_work = in_flight.popleft()
                 span.end()
                 self.counters.observe(result.timings, after_no_work)

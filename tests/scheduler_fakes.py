@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedserve.proto import common_pb2, worker_pb2
 from pagedserve.scheduler_svc.plan import PlanBuilder
 from pagedserve.scheduler_svc.request import Request, RequestStatus
 from pagedserve.scheduler_svc.scheduler import RequestOutput, Scheduler, SchedulerOutput
+from pagedserve.v1 import common_pb2, worker_pb2
 
 VOCAB_SIZE = 64
 EOS = 1
@@ -215,7 +215,7 @@ class Driver:
 
     def schedule(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
-        plan = self.builder.build(out)
+        plan = self.builder.build(out).plan
         result = self.worker.execute(plan)
         assert self.builder.requests_at(out.step_id, list(result.sampled_slots)) == out.sampled
         self.outputs.append(out)

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.grpc_utils import PLAINTEXT, TLSConfig, open_sync_channel
 from pagedserve.launcher import cli_command, worker_threads
-from pagedserve.proto import engine_pb2, engine_pb2_grpc
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc
 
 LOOPBACK = "127.0.0.1"
 MODEL = "SmolLM2-135M-Instruct"
@@ -214,7 +214,8 @@ class Stack:
     # --- probes ---
     def engine_stats(self, timeout: float = 30.0) -> engine_pb2.EngineStats:
         with open_sync_channel(self.engine_address, self.client_tls) as channel:
-            return engine_pb2_grpc.EngineStub(channel).Stats(engine_pb2.StatsRequest(), timeout=timeout)
+            stub = engine_pb2_grpc.EngineServiceStub(channel)
+            return stub.GetStats(engine_pb2.GetStatsRequest(), timeout=timeout).stats
 
     def healthy_workers(self) -> set[str]:
         try:

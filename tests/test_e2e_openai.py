@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
+from pathlib import Path
 
 import grpc
 import httpx
 import openai
 import pytest
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from stack_testing import MODEL, Stack, running
 
-from pagedserve.proto import common_pb2, text_generation_pb2, text_generation_pb2_grpc
+from pagedserve.v1 import common_pb2, text_generation_pb2, text_generation_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -474,7 +478,7 @@ def test_dropped_stream_frees_its_blocks(served):
 def _grpc_generate(served: Stack, **fields) -> list[text_generation_pb2.GenerateResponse]:
     fields.setdefault("sampling", common_pb2.SamplingParams(max_tokens=24, temperature=0))
     with grpc.insecure_channel(served.grpc_address) as channel:
-        stub = text_generation_pb2_grpc.TextGenerationStub(channel)
+        stub = text_generation_pb2_grpc.TextGenerationServiceStub(channel)
         request = text_generation_pb2.GenerateRequest(**fields)
         return list(stub.Generate(request, metadata=[("authorization", f"Bearer {API_KEY}")], timeout=60))
 
@@ -501,7 +505,7 @@ def test_grpc_prompt_text_and_token_ids_give_the_same_greedy_text(served):
 
 def test_grpc_tokenize_detokenize_and_list_models(served):
     with grpc.insecure_channel(served.grpc_address) as channel:
-        stub = text_generation_pb2_grpc.TextGenerationStub(channel)
+        stub = text_generation_pb2_grpc.TextGenerationServiceStub(channel)
         ids = stub.Tokenize(text_generation_pb2.TokenizeRequest(text=PROMPT), timeout=10)
         assert list(ids.token_ids) == _tokenize(served, prompt=PROMPT)
         assert ids.max_model_len == MAX_MODEL_LEN
@@ -529,6 +533,59 @@ def test_grpc_invalid_request_is_invalid_argument(served):
     with pytest.raises(grpc.RpcError) as caught:
         _grpc_generate(served, prompt=PROMPT, model="no-such-model")
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_grpc_reflection_lists_the_service_and_serves_its_contract(served):
+    # What grpcurl does without -proto: list the services, then fetch the files that define one.
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        assert "pagedserve.v1.TextGenerationService" in database.get_services()
+        service = DescriptorPool(database).FindServiceByName("pagedserve.v1.TextGenerationService")
+    assert service.file.name == "pagedserve/v1/text_generation.proto"
+    assert [d.name for d in service.file.dependencies] == ["pagedserve/v1/common.proto"]
+    generate = service.methods_by_name["Generate"]
+    assert generate.output_type.full_name == "pagedserve.v1.GenerateResponse" and generate.server_streaming
+
+
+# ---- the Node.js example client (examples/node) ----
+
+NODE_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "node"
+
+
+def _node_generate(served: Stack, *args: str) -> subprocess.CompletedProcess:
+    node = shutil.which("node")
+    if node is None or not (NODE_EXAMPLE / "node_modules").is_dir():
+        pytest.skip("needs node, and `npm ci` in examples/node (`make install` runs it where npm is)")
+    command = [node, str(NODE_EXAMPLE / "generate.js"), "--address", served.grpc_address, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_node_client_streams_the_same_greedy_text_as_a_python_client(served):
+    result = _node_generate(served, "--api-key", API_KEY, "--max-tokens", "8", "--temperature", "0", PROMPT)
+    assert result.returncode == 0, result.stderr
+    text, _, finish = result.stdout.rpartition("\nfinish_reason: ")
+    messages = _grpc_generate(
+        served, prompt=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0)
+    )
+    assert text.strip() and text == "".join(m.text for m in messages)
+    reason = common_pb2.FinishReason.Name(messages[-1].finish_reason).removeprefix("FINISH_REASON_").lower()
+    assert finish == f"{reason}\n"
+
+
+def test_node_client_chats_and_the_answer_ends_with_stop(served):
+    result = _node_generate(
+        served, "--api-key", API_KEY, "--chat", "--temperature", "0", QUESTION[0]["content"]
+    )
+    assert result.returncode == 0, result.stderr
+    text, _, finish = result.stdout.rpartition("\nfinish_reason: ")
+    assert text == _chat(served, max_tokens=64).choices[0].message.content
+    assert "Paris" in text and finish == "stop\n"
+
+
+def test_node_client_without_the_api_key_is_refused(served):
+    result = _node_generate(served, "--api-key", "", PROMPT)
+    assert result.returncode == 1
+    assert "UNAUTHENTICATED" in result.stderr and "finish_reason" not in result.stdout
 
 
 # ---- concurrency and shutdown ----

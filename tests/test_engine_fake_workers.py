@@ -1,5 +1,5 @@
 """The engine (scheduler_svc/engine.py) in process, over real gRPC on loopback, with fake workers:
-scheduler_fakes.FakeWorker (position-seeded samples, checked block tables) behind a Worker servicer.
+scheduler_fakes.FakeWorker (position-seeded samples, checked block tables) behind a WorkerService servicer.
 Failover, per-sequence abort and re-registration, with no model and no subprocess."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import grpc
 import pytest
 from scheduler_fakes import EOS, VOCAB_SIZE, FakeWorker, expected_tokens
 
-from pagedserve.proto import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 from pagedserve.scheduler_svc.engine import Engine
 from pagedserve.scheduler_svc.request_stream import END, RequestStream
 from pagedserve.scheduler_svc.server import EngineServicer
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
+from pagedserve.v1 import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.anyio
 
@@ -26,7 +26,7 @@ LENGTH = common_pb2.FINISH_REASON_LENGTH
 ABORT = common_pb2.FINISH_REASON_ABORT
 
 
-class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
+class FakeWorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, step_seconds: float) -> None:
         self.step_seconds = step_seconds
         self.worker = FakeWorker(NUM_BLOCKS, BLOCK_SIZE)
@@ -45,19 +45,19 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
             eos_token_ids=[EOS],
         )
 
-    async def Reset(self, request, context) -> worker_pb2.ModelInfo:
+    async def Reset(self, request, context) -> worker_pb2.ResetResponse:
         self.worker = FakeWorker(NUM_BLOCKS, BLOCK_SIZE)
         self.num_resets += 1
-        return self.info()
+        return worker_pb2.ResetResponse(info=self.info())
 
-    async def GetModelInfo(self, request, context) -> worker_pb2.ModelInfo:
-        return self.info()
+    async def GetModelInfo(self, request, context) -> worker_pb2.GetModelInfoResponse:
+        return worker_pb2.GetModelInfoResponse(info=self.info())
 
     async def Steps(self, request_iterator, context):
-        async for plan in request_iterator:
-            self.plans.append(plan)
+        async for request in request_iterator:
+            self.plans.append(request.plan)
             await asyncio.sleep(self.step_seconds)
-            yield self.worker.execute(plan)
+            yield worker_pb2.StepsResponse(result=self.worker.execute(request.plan))
 
 
 class Pool:
@@ -71,7 +71,7 @@ class Pool:
     async def start_worker(self, worker_id: str, step_seconds: float = 0.005) -> FakeWorkerServicer:
         server = grpc.aio.server()
         servicer = FakeWorkerServicer(step_seconds)
-        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         self.servers[worker_id] = (server, servicer, f"127.0.0.1:{port}")
@@ -109,7 +109,7 @@ async def pool():
 
 
 def _submit(pool: Pool, request_id: str, **sampling) -> RequestStream:
-    msg = engine_pb2.EngineGenerateRequest(
+    msg = engine_pb2.GenerateTokensRequest(
         request_id=request_id, prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(**sampling)
     )
     return pool.engine.submit(msg)

@@ -1,4 +1,4 @@
-"""The Engine service end to end: a real scheduler process and real worker processes on loopback,
+"""The EngineService end to end: a real scheduler process and real worker processes on loopback,
 driven through the generated Engine stubs (no gateway).
 
 One scheduler and one worker are shared by the whole module; a second worker joins near the end and
@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stack_testing import Stack, running
 
-from pagedserve.proto import common_pb2, engine_pb2, engine_pb2_grpc
+from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +40,8 @@ def channel(stack):
 
 
 @pytest.fixture(scope="module")
-def engine(channel) -> engine_pb2_grpc.EngineStub:
-    return engine_pb2_grpc.EngineStub(channel)
+def engine(channel) -> engine_pb2_grpc.EngineServiceStub:
+    return engine_pb2_grpc.EngineServiceStub(channel)
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +74,9 @@ def greedy_reference(default_model_dir, prompt_ids, eos_ids):
     return out[0, len(prompt_ids) :].tolist()
 
 
-def _request(prompt_ids: list[int], request_id: str, **sampling) -> engine_pb2.EngineGenerateRequest:
+def _request(prompt_ids: list[int], request_id: str, **sampling) -> engine_pb2.GenerateTokensRequest:
     sampling.setdefault("temperature", 0.0)
-    return engine_pb2.EngineGenerateRequest(
+    return engine_pb2.GenerateTokensRequest(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
         sampling=common_pb2.SamplingParams(**sampling),
@@ -98,13 +98,13 @@ def _collect(responses) -> tuple[dict[int, list[int]], dict[int, int], common_pb
 
 def test_health_is_serving_once_a_worker_is_registered(channel):
     health = health_pb2_grpc.HealthStub(channel)
-    for service in ("", "pagedserve.v1.Engine"):
+    for service in ("", "pagedserve.v1.EngineService"):
         response = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
         assert response.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_engine_info_reports_the_model_and_its_special_tokens(engine, eos_ids):
-    info = engine.GetEngineInfo(engine_pb2.EngineInfoRequest(), timeout=5)
+    info = engine.GetEngineInfo(engine_pb2.GetEngineInfoRequest(), timeout=5).info
     assert info.model == "SmolLM2-135M-Instruct"
     assert set(info.eos_token_ids) == set(eos_ids)
     assert info.max_model_len >= 2048
@@ -116,7 +116,7 @@ def test_engine_info_reports_the_model_and_its_special_tokens(engine, eos_ids):
 
 def test_greedy_stream_equals_transformers_generate(engine, prompt_ids, eos_ids, greedy_reference):
     tokens, reasons, usage = _collect(
-        engine.Generate(_request(prompt_ids, "greedy", max_tokens=16), timeout=60)
+        engine.GenerateTokens(_request(prompt_ids, "greedy", max_tokens=16), timeout=60)
     )
     assert tokens[0] == greedy_reference
     expected = (
@@ -129,7 +129,7 @@ def test_greedy_stream_equals_transformers_generate(engine, prompt_ids, eos_ids,
 
 def test_n2_streams_two_sequences_and_usage_covers_both(engine, prompt_ids, greedy_reference):
     tokens, reasons, usage = _collect(
-        engine.Generate(_request(prompt_ids, "n2", max_tokens=16, n=2), timeout=60)
+        engine.GenerateTokens(_request(prompt_ids, "n2", max_tokens=16, n=2), timeout=60)
     )
     assert set(tokens) == {0, 1} and set(reasons) == {0, 1}
     assert tokens[0] == tokens[1] == greedy_reference
@@ -139,7 +139,9 @@ def test_n2_streams_two_sequences_and_usage_covers_both(engine, prompt_ids, gree
 
 
 def test_abort_mid_stream_ends_the_stream_and_frees_blocks(stack, engine, prompt_ids):
-    responses = engine.Generate(_request(prompt_ids, "to-abort", max_tokens=500, ignore_eos=True), timeout=60)
+    responses = engine.GenerateTokens(
+        _request(prompt_ids, "to-abort", max_tokens=500, ignore_eos=True), timeout=60
+    )
     first = next(responses)
     assert first.token_ids
     assert engine.Abort(engine_pb2.AbortRequest(request_id="to-abort"), timeout=5).aborted
@@ -151,7 +153,7 @@ def test_abort_mid_stream_ends_the_stream_and_frees_blocks(stack, engine, prompt
 
 
 def test_client_cancelling_its_stream_frees_blocks(stack, engine, prompt_ids):
-    responses = engine.Generate(
+    responses = engine.GenerateTokens(
         _request(prompt_ids, "to-cancel", max_tokens=500, ignore_eos=True), timeout=60
     )
     next(responses)
@@ -164,15 +166,15 @@ def test_client_cancelling_its_stream_frees_blocks(stack, engine, prompt_ids):
 
 def test_invalid_requests_are_refused_with_invalid_argument(engine, prompt_ids):
     cases = [
-        engine_pb2.EngineGenerateRequest(
+        engine_pb2.GenerateTokensRequest(
             request_id="empty", sampling=common_pb2.SamplingParams(max_tokens=4)
         ),
-        engine_pb2.EngineGenerateRequest(request_id="oov", prompt_token_ids=[1, 10**6]),
+        engine_pb2.GenerateTokensRequest(request_id="oov", prompt_token_ids=[1, 10**6]),
         _request(prompt_ids, "too-long", max_tokens=10**6),
     ]
     for request in cases:
         with pytest.raises(grpc.RpcError) as info:
-            list(engine.Generate(request, timeout=10))
+            list(engine.GenerateTokens(request, timeout=10))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request.request_id
 
 
@@ -198,8 +200,8 @@ def test_a_second_worker_registers_and_takes_work(stack, engine):
     stack.start_worker("worker-1")
     stack.wait_workers(2)
     # Two different prompts at once: the second goes to the idle worker.
-    first = engine.Generate(
-        engine_pb2.EngineGenerateRequest(
+    first = engine.GenerateTokens(
+        engine_pb2.GenerateTokensRequest(
             request_id="load-a",
             prompt_token_ids=[1, 2, 3, 4, 5],
             sampling=common_pb2.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
@@ -207,8 +209,8 @@ def test_a_second_worker_registers_and_takes_work(stack, engine):
         timeout=60,
     )
     next(first)
-    second = engine.Generate(
-        engine_pb2.EngineGenerateRequest(
+    second = engine.GenerateTokens(
+        engine_pb2.GenerateTokensRequest(
             request_id="load-b",
             prompt_token_ids=[6, 7, 8, 9],
             sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
@@ -225,10 +227,12 @@ def test_killed_worker_requests_finish_on_the_other_worker_with_the_same_tokens(
     # Seeded sampling with n=2: each sequence resumes on the survivor with its own index and child
     # seed, its streamed tokens as output (not prompt), so its later draws are exactly the same.
     sampling = dict(max_tokens=40, ignore_eos=True, n=2, temperature=1.0, seed=7)
-    expected = _collect(engine.Generate(_request(prompt_ids, "uninterrupted", **sampling), timeout=120))[0]
+    expected = _collect(
+        engine.GenerateTokens(_request(prompt_ids, "uninterrupted", **sampling), timeout=120)
+    )[0]
     assert len(expected[0]) == len(expected[1]) == 40 and expected[0] != expected[1]
 
-    responses = engine.Generate(_request(prompt_ids, "survivor", **sampling), timeout=120)
+    responses = engine.GenerateTokens(_request(prompt_ids, "survivor", **sampling), timeout=120)
     received: dict[int, list[int]] = {0: [], 1: []}
     while min(len(t) for t in received.values()) < 8:
         message = next(responses)
@@ -241,7 +245,7 @@ def test_killed_worker_requests_finish_on_the_other_worker_with_the_same_tokens(
         assert received[i] + tokens.get(i, []) == expected[i]
     assert reasons == {0: common_pb2.FINISH_REASON_LENGTH, 1: common_pb2.FINISH_REASON_LENGTH}
     assert usage.completion_tokens == 80
-    info = engine.GetEngineInfo(engine_pb2.EngineInfoRequest(), timeout=5)
+    info = engine.GetEngineInfo(engine_pb2.GetEngineInfoRequest(), timeout=5).info
     assert info.num_healthy_workers == 1
     stats = stack.engine_stats()
     assert {w.worker_id: w.healthy for w in stats.workers}[busy] is False

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from stack_testing import Stack, assert_openai_error, running, stream_completion, wait_for
 
-from pagedserve.proto import (
+from pagedserve.v1 import (
     common_pb2,
     engine_pb2,
     engine_pb2_grpc,
@@ -137,7 +137,7 @@ def test_scheduler_restart_gives_clean_503_then_recovers_by_itself(stack, client
     assert int(response.headers["retry-after"]) > 0
     assert client.get("/health").status_code == 503
     with grpc.insecure_channel(stack.grpc_address) as channel:
-        stub = text_generation_pb2_grpc.TextGenerationStub(channel)
+        stub = text_generation_pb2_grpc.TextGenerationServiceStub(channel)
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(text_generation_pb2.GenerateRequest(prompt="Hello"), timeout=10))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -170,20 +170,21 @@ def test_overload_is_refused_with_retry_after_and_nothing_is_lost(stack, client)
         else:
             assert response.json()["usage"]["completion_tokens"] == 16
     with grpc.insecure_channel(stack.grpc_address) as channel:
-        stub = text_generation_pb2_grpc.TextGenerationStub(channel)
+        stub = text_generation_pb2_grpc.TextGenerationServiceStub(channel)
         request = text_generation_pb2.GenerateRequest(
             prompt="Count", sampling=common_pb2.SamplingParams(max_tokens=16, ignore_eos=True)
         )
         with ThreadPoolExecutor(16) as pool:
-            errors = list(pool.map(lambda _: _grpc_code(stub, request), range(16)))
+            errors = list(pool.map(lambda _: _grpc_code(stub.Generate, request), range(16)))
     assert grpc.StatusCode.RESOURCE_EXHAUSTED in errors, errors
     assert set(errors) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, errors
     stack.wait_idle()
 
 
-def _grpc_code(stub, request) -> grpc.StatusCode:
+def _grpc_code(generate, request) -> grpc.StatusCode:
+    """The status of a streaming generate call (TextGenerationService.Generate, EngineService.GenerateTokens)."""
     try:
-        list(stub.Generate(request, timeout=60))
+        list(generate(request, timeout=60))
     except grpc.RpcError as error:
         return error.code()
     return grpc.StatusCode.OK
@@ -223,24 +224,24 @@ def test_sigterm_drains_gateway_and_scheduler_in_flight_requests_finish(stack, c
 
     # The scheduler drains the same way (Engine API directly: the gateway is gone now).
     with grpc.insecure_channel(stack.engine_address) as channel:
-        stub = engine_pb2_grpc.EngineStub(channel)
-        request = engine_pb2.EngineGenerateRequest(
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        request = engine_pb2.GenerateTokensRequest(
             request_id="drain-1",
             prompt_token_ids=[1, 2, 3, 4],
             sampling=common_pb2.SamplingParams(max_tokens=64, ignore_eos=True),
         )
-        call = stub.Generate(request, timeout=60)
+        call = stub.GenerateTokens(request, timeout=60)
         tokens = len(next(call).token_ids)
         stack.scheduler.send_signal(signal.SIGTERM)
         attempts = itertools.count(2)
 
         def refusal_code() -> grpc.StatusCode | None:
-            late = engine_pb2.EngineGenerateRequest(
+            late = engine_pb2.GenerateTokensRequest(
                 request_id=f"drain-{next(attempts)}",
                 prompt_token_ids=[1, 2],
                 sampling=common_pb2.SamplingParams(max_tokens=2),
             )
-            code = _grpc_code(stub, late)
+            code = _grpc_code(stub.GenerateTokens, late)
             return None if code == grpc.StatusCode.OK else code
 
         code = wait_for(refusal_code, what="the scheduler still accepts requests 10 s after SIGTERM")

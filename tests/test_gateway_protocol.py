@@ -10,7 +10,7 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.gateway.generation import ChoiceDelta, GenerationCore, ModelInfo, Prompt
 from pagedserve.gateway.openai_format import ChatFormatter, CompletionFormatter
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from pagedserve.proto import common_pb2
+from pagedserve.v1 import common_pb2
 
 
 def completion(**fields) -> CompletionRequest:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.gateway.generation import GenerationCore, GenerationRequest, ModelInfo, Prompt, UsageInfo
-from pagedserve.proto import common_pb2, engine_pb2
+from pagedserve.v1 import common_pb2, engine_pb2
 
 pytestmark = pytest.mark.anyio
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.anyio
 class ScriptedEngine:
     """Streams the given messages, records aborts (the real client sends them over gRPC)."""
 
-    def __init__(self, messages: list[engine_pb2.EngineGenerateResponse]) -> None:
+    def __init__(self, messages: list[engine_pb2.GenerateTokensResponse]) -> None:
         self.messages = messages
         self.aborts: list[tuple[str, int | None]] = []
 
@@ -33,12 +33,12 @@ async def test_stop_string_in_one_of_n_sequences_aborts_only_that_sequence(token
     stop_ids = tokenizer.encode(" STOP")  # what sequence 1 generates first
     go_ids = tokenizer.encode(" go on")
     messages = [
-        engine_pb2.EngineGenerateResponse(request_id="r", index=1, token_ids=stop_ids),
-        engine_pb2.EngineGenerateResponse(request_id="r", index=0, token_ids=go_ids),
-        engine_pb2.EngineGenerateResponse(
+        engine_pb2.GenerateTokensResponse(request_id="r", index=1, token_ids=stop_ids),
+        engine_pb2.GenerateTokensResponse(request_id="r", index=0, token_ids=go_ids),
+        engine_pb2.GenerateTokensResponse(
             request_id="r", index=1, finish_reason=common_pb2.FINISH_REASON_ABORT
         ),
-        engine_pb2.EngineGenerateResponse(
+        engine_pb2.GenerateTokensResponse(
             request_id="r",
             index=0,
             token_ids=go_ids,

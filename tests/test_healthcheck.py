@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pagedserve import healthcheck, prepare_model
 
-SERVICE = "pagedserve.v1.Worker"
+SERVICE = "pagedserve.v1.WorkerService"
 
 
 @pytest.fixture

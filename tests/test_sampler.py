@@ -4,7 +4,7 @@ from collections import Counter
 import pytest
 import torch
 
-from pagedserve.proto import common_pb2
+from pagedserve.v1 import common_pb2
 from pagedserve.worker_svc.sampler import (
     Sampler,
     SamplingMetadata,

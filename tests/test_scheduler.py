@@ -1,10 +1,10 @@
 import pytest
 from scheduler_fakes import EOS, Driver, SeqLog, check_invariants, expected_tokens, make_request
 
-from pagedserve.proto import common_pb2
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.request import RequestStatus
 from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.v1 import common_pb2
 
 BS = 4
 STOP, LENGTH, ABORT = (
@@ -442,11 +442,11 @@ def test_request_with_output_tokens_is_one_sequence_with_room_left():
 def test_failover_resumes_each_sequence_with_its_index_and_child_seed():
     # The engine's failover path (RequestStream.core_requests) on a fresh core: each unfinished
     # sequence carries on after what its client has seen and ends exactly as an uninterrupted run.
-    from pagedserve.proto import engine_pb2
     from pagedserve.scheduler_svc.request_stream import RequestStream
+    from pagedserve.v1 import engine_pb2
 
     prompt = _prompt(10)
-    msg = engine_pb2.EngineGenerateRequest(
+    msg = engine_pb2.GenerateTokensRequest(
         request_id="a",
         prompt_token_ids=prompt,
         sampling=common_pb2.SamplingParams(n=3, seed=7, temperature=1.0, max_tokens=12, ignore_eos=True),

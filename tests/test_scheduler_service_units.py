@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from pagedserve.proto import worker_pb2
 from pagedserve.scheduler_svc.metrics import Histogram, WorkerCounters
 from pagedserve.scheduler_svc.router import choose_worker
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
+from pagedserve.v1 import worker_pb2
 
 
 @dataclass

@@ -14,7 +14,7 @@ from stack_testing import Stack, assert_openai_error, running
 
 from pagedserve.grpc_utils import TLSConfig, open_sync_channel
 from pagedserve.internal_tls import generate
-from pagedserve.proto import engine_pb2, engine_pb2_grpc
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 # Long enough for several full blocks (block size 16) of shared prefix.
@@ -56,12 +56,12 @@ def test_stack_with_mutual_tls_serves(stack):
 @pytest.mark.slow
 def test_plaintext_and_certificateless_clients_are_refused_by_the_scheduler(stack, certs):
     with grpc.insecure_channel(stack.engine_address) as channel, pytest.raises(grpc.RpcError) as info:
-        engine_pb2_grpc.EngineStub(channel).Stats(engine_pb2.StatsRequest(), timeout=3)
+        engine_pb2_grpc.EngineServiceStub(channel).GetStats(engine_pb2.GetStatsRequest(), timeout=3)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     # TLS that trusts the CA but shows no client certificate: mutual TLS refuses it too.
     no_cert = TLSConfig(ca=str(certs.ca))
     with open_sync_channel(stack.engine_address, no_cert) as channel, pytest.raises(grpc.RpcError):
-        engine_pb2_grpc.EngineStub(channel).Stats(engine_pb2.StatsRequest(), timeout=3)
+        engine_pb2_grpc.EngineServiceStub(channel).GetStats(engine_pb2.GetStatsRequest(), timeout=3)
     assert stack.engine_stats().workers[0].healthy  # and the real client gets in
 
 

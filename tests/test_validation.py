@@ -7,8 +7,8 @@ import math
 import pytest
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.proto import common_pb2, engine_pb2
 from pagedserve.scheduler_svc.request import Request
+from pagedserve.v1 import common_pb2, engine_pb2
 from pagedserve.validation import (
     SEED_MODULUS,
     Limits,
@@ -30,7 +30,7 @@ def test_any_integer_seed_becomes_a_uint64(seed):
 
 def test_a_fork_of_the_largest_seed_wraps_instead_of_overflowing():
     assert child_seed(SEED_MODULUS - 1, 1) == 0
-    msg = engine_pb2.EngineGenerateRequest(
+    msg = engine_pb2.GenerateTokensRequest(
         request_id="r",
         prompt_token_ids=[1, 2, 3],
         sampling=common_pb2.SamplingParams(n=3, seed=SEED_MODULUS - 1),

@@ -15,11 +15,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedserve.model_files import load_generation_info, load_tokenizer, resolve_model
-from pagedserve.proto import common_pb2, worker_pb2
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.plan import PlanBuilder
 from pagedserve.scheduler_svc.request import Request
 from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.v1 import common_pb2, worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec
 from pagedserve.worker_svc.loader import load_model
 from pagedserve.worker_svc.runner import ModelRunner
@@ -116,7 +116,7 @@ def drive(
             if not scheduler.has_unfinished_requests():
                 break
         out = scheduler.schedule()
-        plan = builder.build(out)
+        plan = builder.build(out).plan
         plans.append(plan)
         in_flight.append((out, runner.execute(plan)))
         while len(in_flight) > (1 if pipelined else 0):

@@ -8,10 +8,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from scheduler_fakes import make_request
 
-from pagedserve.proto import worker_pb2
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.plan import PlanBuilder
 from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.v1 import worker_pb2
 from pagedserve.worker_svc.request_spans import RequestSpans
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -64,5 +64,5 @@ def test_the_plan_hands_the_requests_trace_context_to_the_worker():
     request = make_request("r1", list(range(6)), max_tokens=4)
     request.trace_context = dict(PARENT)
     scheduler.add_request(request)
-    plan = PlanBuilder().build(scheduler.schedule())
+    plan = PlanBuilder().build(scheduler.schedule()).plan
     assert dict(plan.new_requests[0].trace_context) == PARENT

@@ -1,4 +1,4 @@
-"""The worker's executor against the step protocol (proto/worker.proto), on a tiny random Llama."""
+"""The worker's executor against the step protocol (proto/pagedserve/v1/worker.proto), on a tiny random Llama."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from worker_testing import (
     snapshot,
 )
 
-from pagedserve.proto import worker_pb2
+from pagedserve.v1 import worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec
 from pagedserve.worker_svc.runner import ModelRunner, PlanError, _Batch
 

@@ -24,7 +24,7 @@ from worker_testing import (
 )
 
 from pagedserve.grpc_utils import CHANNEL_OPTIONS, add_health_and_reflection, set_serving
-from pagedserve.proto import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pagedserve.worker_svc import server as worker_server
 from pagedserve.worker_svc.config import WorkerConfig, parse_bytes
 from pagedserve.worker_svc.kv_cache import KVCacheSpec, resolve_num_blocks
@@ -60,10 +60,14 @@ async def start_worker(model_dir, **overrides) -> WorkerServer:
 
 
 async def steps(
-    stub: worker_pb2_grpc.WorkerStub, plans: list[worker_pb2.StepPlan]
+    stub: worker_pb2_grpc.WorkerServiceStub, plans: list[worker_pb2.StepPlan]
 ) -> list[worker_pb2.StepResult]:
     """Sends every plan at once (the worker pipelines them) and collects the results."""
-    return [result async for result in stub.Steps(iter(plans))]
+    return [response.result async for response in stub.Steps(iter(requests(plans)))]
+
+
+def requests(plans: list[worker_pb2.StepPlan]) -> list[worker_pb2.StepsRequest]:
+    return [worker_pb2.StepsRequest(plan=p) for p in plans]
 
 
 async def serve_two_steps(server: WorkerServer) -> list[worker_pb2.StepResult]:
@@ -71,7 +75,7 @@ async def serve_two_steps(server: WorkerServer) -> list[worker_pb2.StepResult]:
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as ch:
-            return await steps(worker_pb2_grpc.WorkerStub(ch), [first_plan(), decode_plan(2)])
+            return await steps(worker_pb2_grpc.WorkerServiceStub(ch), [first_plan(), decode_plan(2)])
     finally:
         await server.stop(grace=None)
 
@@ -89,8 +93,8 @@ async def test_steps_stream_returns_one_result_per_plan_in_order(model_dir):
         server = await start_worker(model_dir)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as ch:
-                stub = worker_pb2_grpc.WorkerStub(ch)
-                info = await stub.GetModelInfo(worker_pb2.ModelInfoRequest())
+                stub = worker_pb2_grpc.WorkerServiceStub(ch)
+                info = (await stub.GetModelInfo(worker_pb2.GetModelInfoRequest())).info
                 return info, await steps(stub, plans)
         finally:
             await server.stop(grace=None)
@@ -216,8 +220,9 @@ async def test_a_result_is_written_while_the_next_step_computes_not_after_it(mod
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as ch:
             steps = []
-            async for result in worker_pb2_grpc.WorkerStub(ch).Steps(iter([first_plan(), decode_plan(2)])):
-                steps.append(result.step_id)
+            stub = worker_pb2_grpc.WorkerServiceStub(ch)
+            async for response in stub.Steps(iter(requests([first_plan(), decode_plan(2)]))):
+                steps.append(response.result.step_id)
                 result_one_read.set()
     finally:
         await server.stop(grace=None)
@@ -313,10 +318,10 @@ async def test_steps_still_queued_when_their_stream_ends_never_run(model_dir):
 
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as ch:
-            stub = worker_pb2_grpc.WorkerStub(ch)
+            stub = worker_pb2_grpc.WorkerServiceStub(ch)
             executor.post(gate.wait)  # holds the compute thread while the plans queue up behind it
             executor.post = tracked_post
-            call = stub.Steps(iter([first_plan(), decode_plan(2)]))
+            call = stub.Steps(iter(requests([first_plan(), decode_plan(2)])))
             await until(lambda: len(queued) == 2)
             call.cancel()
             await until(lambda: all(done.cancelled() for done in queued))  # the stream has ended
@@ -340,11 +345,13 @@ async def test_broken_plan_ends_the_stream_with_invalid_argument_and_a_new_strea
         server = await start_worker(model_dir)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as ch:
-                stub = worker_pb2_grpc.WorkerStub(ch)
+                stub = worker_pb2_grpc.WorkerServiceStub(ch)
                 received = []
                 with pytest.raises(grpc.aio.AioRpcError) as error:
-                    async for result in stub.Steps(iter([first_plan(), decode_plan(3), decode_plan(4)])):
-                        received.append(result)
+                    async for response in stub.Steps(
+                        iter(requests([first_plan(), decode_plan(3), decode_plan(4)]))
+                    ):
+                        received.append(response.result)
                 after = await steps(stub, [decode_plan(2), decode_plan(3)])
                 return received, error.value, after
         finally:
@@ -364,9 +371,9 @@ async def test_reset_forgets_requests_and_restarts_at_step_one(model_dir):
         server = await start_worker(model_dir)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as ch:
-                stub = worker_pb2_grpc.WorkerStub(ch)
+                stub = worker_pb2_grpc.WorkerServiceStub(ch)
                 await steps(stub, [first_plan(), decode_plan(2)])
-                info = await stub.Reset(worker_pb2.ResetRequest())
+                info = (await stub.Reset(worker_pb2.ResetRequest())).info
                 with pytest.raises(grpc.aio.AioRpcError) as error:
                     await steps(stub, [decode_plan(3)])
                 again = await steps(stub, [first_plan()])
@@ -399,10 +406,10 @@ async def test_health_reports_serving_and_reflection_lists_the_worker_service(mo
     overall, worker, responses = await scenario()
     assert overall == worker == health_pb2.HealthCheckResponse.SERVING
     names = {s.name for s in responses[0].list_services_response.service}
-    assert {"pagedserve.v1.Worker", "grpc.health.v1.Health"} <= names
+    assert {"pagedserve.v1.WorkerService", "grpc.health.v1.Health"} <= names
 
 
-class RecordingEngineServicer(engine_pb2_grpc.EngineServicer):
+class RecordingEngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Stand-in for the scheduler that implements only RegisterWorker and records its requests:
     it tests the worker's client side of registration."""
 
@@ -419,11 +426,11 @@ class RecordingEngineServicer(engine_pb2_grpc.EngineServicer):
 async def start_recording_engine(port: int) -> tuple[grpc.aio.Server, RecordingEngineServicer]:
     server = grpc.aio.server()
     servicer = RecordingEngineServicer()
-    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
-    health_servicer = add_health_and_reflection(server, ["pagedserve.v1.Engine"])
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
+    health_servicer = add_health_and_reflection(server, ["pagedserve.v1.EngineService"])
     assert server.add_insecure_port(f"127.0.0.1:{port}") == port
     await server.start()
-    await set_serving(health_servicer, ["pagedserve.v1.Engine"], True)
+    await set_serving(health_servicer, ["pagedserve.v1.EngineService"], True)
     return server, servicer
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from pagedserve.proto import common_pb2, worker_pb2
+from pagedserve.v1 import common_pb2, worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec
 from pagedserve.worker_svc.loader import load_model
 from pagedserve.worker_svc.runner import ModelRunner

@@ -52,7 +52,7 @@ def parse_bytes(text: str | int) -> int:
 
 @dataclass(slots=True)
 class WorkerConfig(ServiceTLSFields):
-    # TLS (inherited): on the Worker service and on the channel to the scheduler.
+    # TLS (inherited): on the WorkerService and on the channel to the scheduler.
 
     # Model to serve: a folder, a .gguf file, or None for the default model (see pagedserve.model_files).
     model: str | None = None
@@ -76,7 +76,7 @@ class WorkerConfig(ServiceTLSFields):
     port: int = 0
     # host:port the scheduler uses to reach this worker; None: derived from host and the bound port.
     advertise_address: str | None = None
-    # Scheduler (Engine service) address to register with; None: don't register.
+    # Scheduler (EngineService) address to register with; None: don't register.
     scheduler: str | None = None
     # Stable id of this worker; None: "<hostname>-<pid>".
     worker_id: str | None = None
@@ -148,7 +148,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     """The `pagedserve worker` flags, each defaulting to its PAGEDSERVE_* variable."""
     parser = argparse.ArgumentParser(
         prog="pagedserve worker",
-        description="Serve a model's forward pass and sampling over the step protocol (gRPC Worker service).",
+        description="Serve a model's forward pass and sampling over the step protocol (gRPC WorkerService).",
     )
 
     flags = EnvFlags(parser, env)

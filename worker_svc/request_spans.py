@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import Span, Tracer
 
-from pagedserve.proto import worker_pb2
 from pagedserve.tracing import extract_context, get_tracer
+from pagedserve.v1 import worker_pb2
 
 tracer = get_tracer("pagedserve.worker")
 

@@ -1,5 +1,5 @@
-"""The worker's executor: applies step plans (proto/worker.proto) to its per-slot state and KV pool,
-runs one forward pass over the plan's flat batch, samples, and answers with a StepResult.
+"""The worker's executor: applies step plans (proto/pagedserve/v1/worker.proto) to its per-slot state and
+KV pool, runs one forward pass over the plan's flat batch, samples, and answers with a StepResult.
 
 The state of a live request is split in two: the small Python record (`SlotState`) and rows of two
 persistent numpy arrays indexed by slot, its token ids and its block table, so a step's input ids,
@@ -17,7 +17,7 @@ import torch
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.kernels import get_ops
-from pagedserve.proto import common_pb2, worker_pb2
+from pagedserve.v1 import common_pb2, worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCache
 from pagedserve.worker_svc.model import AttentionMetadata, CausalLM
 from pagedserve.worker_svc.sampler import Sampler, SamplingMetadata, SlotSamplingState, compute_logprobs
@@ -102,21 +102,25 @@ class ModelRunner:
         plan: worker_pb2.StepPlan,
         received_at: float | None = None,
         before_forward: Callable[[], None] | None = None,
+        result: worker_pb2.StepResult | None = None,
     ) -> worker_pb2.StepResult:
         """Validate, apply and run one plan. `received_at` (time.perf_counter()) is when the plan
         arrived, for the idle time; default: now. `before_forward`, if given, is called once the plan
         is valid and the model's inputs are built, right before the forward pass (not at all for a plan
-        without tokens to compute, nor for a refused one)."""
+        without tokens to compute, nor for a refused one). `result` is the empty StepResult to fill and
+        return (the server passes the `result` of the StepsResponse it sends, so it is built in place);
+        default: a new one."""
         t0 = time.perf_counter()
         received_at = t0 if received_at is None else received_at
         idle = 0.0 if self._idle_since is None else max(0.0, received_at - self._idle_since)
         gap = 0.0 if self._idle_since is None else t0 - self._idle_since
+        result = worker_pb2.StepResult() if result is None else result
         decode = self._plain_decode(plan)
         if decode is not None:
-            result, t1, t2 = self._execute_decode(plan, *decode, before_forward)
+            t1, t2 = self._execute_decode(plan, *decode, before_forward, result)
             batch_tokens = len(decode[0])
         else:
-            result, t1, t2, batch_tokens = self._execute_plan(plan, before_forward)
+            t1, t2, batch_tokens = self._execute_plan(plan, before_forward, result)
         t3 = time.perf_counter()
         self.last_step_id = plan.step_id
         self._idle_since = t3
@@ -129,16 +133,20 @@ class ModelRunner:
         return result
 
     def _execute_plan(
-        self, plan: worker_pb2.StepPlan, before_forward: Callable[[], None] | None
-    ) -> tuple[worker_pb2.StepResult, float, float, int]:
-        """Any plan: its result, the start and end of its forward pass, and the tokens it computed."""
+        self,
+        plan: worker_pb2.StepPlan,
+        before_forward: Callable[[], None] | None,
+        result: worker_pb2.StepResult,
+    ) -> tuple[float, float, int]:
+        """Any plan, its outcome written into result: the start and end of its forward pass, and the tokens
+        it computed."""
         self._validate(plan)
         self._apply(plan)
-        result = worker_pb2.StepResult(step_id=plan.step_id)
+        result.step_id = plan.step_id
         batch = self._batch(plan)
         t1 = t2 = time.perf_counter()
         if batch is None:
-            return result, t1, t2, 0
+            return t1, t2, 0
         input_ids, positions, attn = self._model_inputs(batch)
         sample_idx, prompt_rows = self._logits_rows(batch)
         # The model returns the final states of these rows alone; sample rows alone come in order, and all of
@@ -150,7 +158,7 @@ class ModelRunner:
         logits, t1, t2 = self._forward(input_ids, positions, attn, output_rows, before_forward)
         self._sample(batch, sample_idx, logits[: len(sample_idx)], result)
         self._prompt_logprobs(batch, prompt_rows, logits[len(sample_idx) :], result)
-        return result, t1, t2, batch.num_tokens
+        return t1, t2, batch.num_tokens
 
     # ---- the steady state: a plain decode step --------------------------------------------------------
 
@@ -206,9 +214,11 @@ class ModelRunner:
         slots: list[int],
         states: list[SlotState],
         before_forward: Callable[[], None] | None,
-    ) -> tuple[worker_pb2.StepResult, float, float]:
-        """A plain decode step (see _plain_decode): the same state, inputs and result as the general path's,
-        which test_worker_runner checks."""
+        result: worker_pb2.StepResult,
+    ) -> tuple[float, float]:
+        """A plain decode step (see _plain_decode), its outcome written into result: the same state, inputs and
+        result as the general path's, which test_worker_runner checks. Returns the start and end of its forward
+        pass."""
         if plan.new_block_ids:
             self._append_blocks(plan)
         start = [state.num_computed_tokens for state in states]
@@ -221,12 +231,12 @@ class ModelRunner:
         )
         attn = AttentionMetadata(*tensors, max_query_len=1)
         logits, t1, t2 = self._forward(input_ids, positions, attn, None, before_forward)
-        result = worker_pb2.StepResult(step_id=plan.step_id)
+        result.step_id = plan.step_id
         for state in states:
             state.num_computed_tokens += 1
         if self._sampler_slots:
             self._sample_rows(slots, states, logits, result)
-            return result, t1, t2
+            return t1, t2
         # Every live slot is argmax_only: its token is its row's argmax, which the kernel writes into token_ids.
         tokens = self._argmax_append(logits, self._token_ids_shared, slots, ends)
         for state, token in zip(states, tokens, strict=True):
@@ -235,7 +245,7 @@ class ModelRunner:
         result.sampled_slots.extend(slots)
         result.sampled_token_ids.extend(tokens)
         result.num_top_logprobs.extend([0] * len(slots))
-        return result, t1, t2
+        return t1, t2
 
     def _forward(
         self,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.kernels import get_ops
-from pagedserve.proto import common_pb2
+from pagedserve.v1 import common_pb2
 
 # Temperatures below this are greedy (as vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5

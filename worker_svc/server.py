@@ -1,4 +1,4 @@
-"""The worker process: the Worker gRPC service over a ModelRunner, health, reflection, registration.
+"""The worker process: the WorkerService gRPC service over a ModelRunner, health, reflection, registration.
 
 The model loads and runs in one dedicated thread (ComputeThread). A reader task hands each plan of the
 Steps stream to that thread the moment it arrives (stamping its arrival for StepTimings.idle_seconds),
@@ -36,15 +36,15 @@ from pagedserve.grpc_utils import (
 )
 from pagedserve.logging import get_logger
 from pagedserve.model_files import load_generation_info, model_name, resolve_model
-from pagedserve.proto import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pagedserve.service_main import freeze_startup_objects, run_service, stop_on_signals
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pagedserve.worker_svc.config import WorkerConfig
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
 from pagedserve.worker_svc.loader import load_model, parse_dtype
 from pagedserve.worker_svc.request_spans import RequestSpans
 from pagedserve.worker_svc.runner import ModelRunner, PlanError
 
-SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 log = get_logger("pagedserve.worker")
@@ -240,7 +240,7 @@ def _set_exception(future: asyncio.Future, error: Exception) -> None:
         future.set_exception(error)
 
 
-class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, runner: ModelRunner, info: worker_pb2.ModelInfo, executor: ComputeThread):
         self.runner = runner
         self.info = info
@@ -254,8 +254,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def Steps(
-        self, request_iterator: AsyncIterator[worker_pb2.StepPlan], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[worker_pb2.StepResult]:
+        self, request_iterator: AsyncIterator[worker_pb2.StepsRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.StepsResponse]:
         loop = asyncio.get_running_loop()
         # The steps submitted to the compute thread, in step order, until their results are written.
         steps: asyncio.Queue = asyncio.Queue()
@@ -267,12 +267,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if closed.is_set():
                 return
             started_ns = time.time_ns()
+            # The result is written in place into the message the stream sends.
+            response = worker_pb2.StepsResponse()
             try:
-                result = self.runner.execute(plan, received_at, before_forward=hand_over.flush)
+                self.runner.execute(plan, received_at, before_forward=hand_over.flush, result=response.result)
             except Exception as error:
                 hand_over.fail(done, error)
                 return
-            hand_over.finished(done, (result, started_ns, time.time_ns()))
+            hand_over.finished(done, (response, started_ns, time.time_ns()))
 
         async def read() -> None:
             # NOTE: each plan goes to the compute thread the moment it arrives, so the thread starts it
@@ -280,7 +282,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # loop writes result N while step N+1 runs. A plan after a refused one is refused in turn
             # (its step id then follows no applied plan), so nothing runs past a broken plan.
             try:
-                async for plan in request_iterator:
+                async for request in request_iterator:
+                    plan = request.plan
                     # The step's result comes through `done` (see _ResultHandOver).
                     done = loop.create_future()
                     hand_over.queued()
@@ -296,7 +299,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if plan is _END:
                     return
                 try:
-                    result, started_ns, ended_ns = await done
+                    response, started_ns, ended_ns = await done
                 except PlanError as error:
                     log.warning("plan_refused", step_id=plan.step_id, error=error.message)
                     await context.abort(error.grpc_code, error.message)
@@ -305,7 +308,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     log.exception("step_failed", step_id=plan.step_id)
                     await context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id}: {error!r}")
                 self.spans.on_step(plan, started_ns, ended_ns)
-                yield result
+                yield response
         finally:
             # Steps not started yet never run; one running finishes, its result unread.
             closed.set()
@@ -317,14 +320,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if done is not None:
                     done.cancel()
 
-    async def Reset(self, request: worker_pb2.ResetRequest, context) -> worker_pb2.ModelInfo:
+    async def Reset(self, request: worker_pb2.ResetRequest, context) -> worker_pb2.ResetResponse:
         await self._run(self.runner.reset)
         self.spans.end_all("reset")
         log.info("reset")
-        return self.info
+        return worker_pb2.ResetResponse(info=self.info)
 
-    async def GetModelInfo(self, request: worker_pb2.ModelInfoRequest, context) -> worker_pb2.ModelInfo:
-        return self.info
+    async def GetModelInfo(
+        self, request: worker_pb2.GetModelInfoRequest, context
+    ) -> worker_pb2.GetModelInfoResponse:
+        return worker_pb2.GetModelInfoResponse(info=self.info)
 
 
 class Registrar:
@@ -349,7 +354,7 @@ class Registrar:
 
     async def run(self) -> None:
         async with open_channel(self.scheduler, self.tls) as channel:
-            engine = engine_pb2_grpc.EngineStub(channel)
+            engine = engine_pb2_grpc.EngineServiceStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
             while True:
                 await self._register(engine)
@@ -360,7 +365,7 @@ class Registrar:
                 self.registered.clear()
                 log.warning("scheduler_lost", scheduler=self.scheduler)
 
-    async def _register(self, engine: engine_pb2_grpc.EngineStub) -> None:
+    async def _register(self, engine: engine_pb2_grpc.EngineServiceStub) -> None:
         backoff = self.initial_backoff
         while True:
             try:
@@ -447,7 +452,7 @@ class WorkerServer:
         self.max_register_backoff = max_register_backoff
         self.servicer = WorkerServicer(loaded.runner, loaded.info, executor)
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
-        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
         self.port = 0
         self.registrar: Registrar | None = None

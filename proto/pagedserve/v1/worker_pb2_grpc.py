@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pagedserve.proto import worker_pb2 as pagedserve_dot_proto_dot_worker__pb2
+from pagedserve.v1 import worker_pb2 as pagedserve_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pagedserve/proto/worker_pb2_grpc.py depends on'
+        + ' but the generated code in pagedserve/v1/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class WorkerStub:
+class WorkerServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -35,23 +35,23 @@ class WorkerStub:
             channel: A grpc.Channel.
         """
         self.Steps = channel.stream_stream(
-                '/pagedserve.v1.Worker/Steps',
-                request_serializer=pagedserve_dot_proto_dot_worker__pb2.StepPlan.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_worker__pb2.StepResult.FromString,
+                '/pagedserve.v1.WorkerService/Steps',
+                request_serializer=pagedserve_dot_v1_dot_worker__pb2.StepsRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_worker__pb2.StepsResponse.FromString,
                 _registered_method=True)
         self.Reset = channel.unary_unary(
-                '/pagedserve.v1.Worker/Reset',
-                request_serializer=pagedserve_dot_proto_dot_worker__pb2.ResetRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_worker__pb2.ModelInfo.FromString,
+                '/pagedserve.v1.WorkerService/Reset',
+                request_serializer=pagedserve_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_worker__pb2.ResetResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
-                '/pagedserve.v1.Worker/GetModelInfo',
-                request_serializer=pagedserve_dot_proto_dot_worker__pb2.ModelInfoRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_worker__pb2.ModelInfo.FromString,
+                '/pagedserve.v1.WorkerService/GetModelInfo',
+                request_serializer=pagedserve_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_worker__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
 
 
-class WorkerServicer:
+class WorkerServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Steps(self, request_iterator, context):
@@ -78,32 +78,32 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_WorkerServicer_to_server(servicer, server):
+def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Steps': grpc.stream_stream_rpc_method_handler(
                     servicer.Steps,
-                    request_deserializer=pagedserve_dot_proto_dot_worker__pb2.StepPlan.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_worker__pb2.StepResult.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_worker__pb2.StepsRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_worker__pb2.StepsResponse.SerializeToString,
             ),
             'Reset': grpc.unary_unary_rpc_method_handler(
                     servicer.Reset,
-                    request_deserializer=pagedserve_dot_proto_dot_worker__pb2.ResetRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_worker__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_worker__pb2.ResetRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_worker__pb2.ResetResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=pagedserve_dot_proto_dot_worker__pb2.ModelInfoRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_worker__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_worker__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_worker__pb2.GetModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'pagedserve.v1.Worker', rpc_method_handlers)
+            'pagedserve.v1.WorkerService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pagedserve.v1.Worker', rpc_method_handlers)
+    server.add_registered_method_handlers('pagedserve.v1.WorkerService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Worker:
+class WorkerService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -120,9 +120,9 @@ class Worker:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/pagedserve.v1.Worker/Steps',
-            pagedserve_dot_proto_dot_worker__pb2.StepPlan.SerializeToString,
-            pagedserve_dot_proto_dot_worker__pb2.StepResult.FromString,
+            '/pagedserve.v1.WorkerService/Steps',
+            pagedserve_dot_v1_dot_worker__pb2.StepsRequest.SerializeToString,
+            pagedserve_dot_v1_dot_worker__pb2.StepsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -147,9 +147,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.Worker/Reset',
-            pagedserve_dot_proto_dot_worker__pb2.ResetRequest.SerializeToString,
-            pagedserve_dot_proto_dot_worker__pb2.ModelInfo.FromString,
+            '/pagedserve.v1.WorkerService/Reset',
+            pagedserve_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
+            pagedserve_dot_v1_dot_worker__pb2.ResetResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -174,9 +174,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.Worker/GetModelInfo',
-            pagedserve_dot_proto_dot_worker__pb2.ModelInfoRequest.SerializeToString,
-            pagedserve_dot_proto_dot_worker__pb2.ModelInfo.FromString,
+            '/pagedserve.v1.WorkerService/GetModelInfo',
+            pagedserve_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
+            pagedserve_dot_v1_dot_worker__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

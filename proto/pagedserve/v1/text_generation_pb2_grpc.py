@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pagedserve.proto import text_generation_pb2 as pagedserve_dot_proto_dot_text__generation__pb2
+from pagedserve.v1 import text_generation_pb2 as pagedserve_dot_v1_dot_text__generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pagedserve/proto/text_generation_pb2_grpc.py depends on'
+        + ' but the generated code in pagedserve/v1/text_generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class TextGenerationStub:
+class TextGenerationServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -35,28 +35,28 @@ class TextGenerationStub:
             channel: A grpc.Channel.
         """
         self.Generate = channel.unary_stream(
-                '/pagedserve.v1.TextGeneration/Generate',
-                request_serializer=pagedserve_dot_proto_dot_text__generation__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_text__generation__pb2.GenerateResponse.FromString,
+                '/pagedserve.v1.TextGenerationService/Generate',
+                request_serializer=pagedserve_dot_v1_dot_text__generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_text__generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
-                '/pagedserve.v1.TextGeneration/Tokenize',
-                request_serializer=pagedserve_dot_proto_dot_text__generation__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_text__generation__pb2.TokenizeResponse.FromString,
+                '/pagedserve.v1.TextGenerationService/Tokenize',
+                request_serializer=pagedserve_dot_v1_dot_text__generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_text__generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.Detokenize = channel.unary_unary(
-                '/pagedserve.v1.TextGeneration/Detokenize',
-                request_serializer=pagedserve_dot_proto_dot_text__generation__pb2.DetokenizeRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_text__generation__pb2.DetokenizeResponse.FromString,
+                '/pagedserve.v1.TextGenerationService/Detokenize',
+                request_serializer=pagedserve_dot_v1_dot_text__generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_text__generation__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
-                '/pagedserve.v1.TextGeneration/ListModels',
-                request_serializer=pagedserve_dot_proto_dot_text__generation__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_text__generation__pb2.ListModelsResponse.FromString,
+                '/pagedserve.v1.TextGenerationService/ListModels',
+                request_serializer=pagedserve_dot_v1_dot_text__generation__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_text__generation__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
 
 
-class TextGenerationServicer:
+class TextGenerationServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
@@ -90,37 +90,37 @@ class TextGenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_TextGenerationServicer_to_server(servicer, server):
+def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=pagedserve_dot_proto_dot_text__generation__pb2.GenerateRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_text__generation__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_text__generation__pb2.GenerateRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_text__generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=pagedserve_dot_proto_dot_text__generation__pb2.TokenizeRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_text__generation__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_text__generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_text__generation__pb2.TokenizeResponse.SerializeToString,
             ),
             'Detokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Detokenize,
-                    request_deserializer=pagedserve_dot_proto_dot_text__generation__pb2.DetokenizeRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_text__generation__pb2.DetokenizeResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_text__generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_text__generation__pb2.DetokenizeResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=pagedserve_dot_proto_dot_text__generation__pb2.ListModelsRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_text__generation__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_text__generation__pb2.ListModelsRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_text__generation__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'pagedserve.v1.TextGeneration', rpc_method_handlers)
+            'pagedserve.v1.TextGenerationService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pagedserve.v1.TextGeneration', rpc_method_handlers)
+    server.add_registered_method_handlers('pagedserve.v1.TextGenerationService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class TextGeneration:
+class TextGenerationService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -137,9 +137,9 @@ class TextGeneration:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pagedserve.v1.TextGeneration/Generate',
-            pagedserve_dot_proto_dot_text__generation__pb2.GenerateRequest.SerializeToString,
-            pagedserve_dot_proto_dot_text__generation__pb2.GenerateResponse.FromString,
+            '/pagedserve.v1.TextGenerationService/Generate',
+            pagedserve_dot_v1_dot_text__generation__pb2.GenerateRequest.SerializeToString,
+            pagedserve_dot_v1_dot_text__generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -164,9 +164,9 @@ class TextGeneration:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.TextGeneration/Tokenize',
-            pagedserve_dot_proto_dot_text__generation__pb2.TokenizeRequest.SerializeToString,
-            pagedserve_dot_proto_dot_text__generation__pb2.TokenizeResponse.FromString,
+            '/pagedserve.v1.TextGenerationService/Tokenize',
+            pagedserve_dot_v1_dot_text__generation__pb2.TokenizeRequest.SerializeToString,
+            pagedserve_dot_v1_dot_text__generation__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -191,9 +191,9 @@ class TextGeneration:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.TextGeneration/Detokenize',
-            pagedserve_dot_proto_dot_text__generation__pb2.DetokenizeRequest.SerializeToString,
-            pagedserve_dot_proto_dot_text__generation__pb2.DetokenizeResponse.FromString,
+            '/pagedserve.v1.TextGenerationService/Detokenize',
+            pagedserve_dot_v1_dot_text__generation__pb2.DetokenizeRequest.SerializeToString,
+            pagedserve_dot_v1_dot_text__generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -218,9 +218,9 @@ class TextGeneration:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.TextGeneration/ListModels',
-            pagedserve_dot_proto_dot_text__generation__pb2.ListModelsRequest.SerializeToString,
-            pagedserve_dot_proto_dot_text__generation__pb2.ListModelsResponse.FromString,
+            '/pagedserve.v1.TextGenerationService/ListModels',
+            pagedserve_dot_v1_dot_text__generation__pb2.ListModelsRequest.SerializeToString,
+            pagedserve_dot_v1_dot_text__generation__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

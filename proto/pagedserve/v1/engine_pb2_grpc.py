@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pagedserve.proto import engine_pb2 as pagedserve_dot_proto_dot_engine__pb2
+from pagedserve.v1 import engine_pb2 as pagedserve_dot_v1_dot_engine__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pagedserve/proto/engine_pb2_grpc.py depends on'
+        + ' but the generated code in pagedserve/v1/engine_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class EngineStub:
+class EngineServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -34,37 +34,37 @@ class EngineStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Generate = channel.unary_stream(
-                '/pagedserve.v1.Engine/Generate',
-                request_serializer=pagedserve_dot_proto_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_engine__pb2.EngineGenerateResponse.FromString,
+        self.GenerateTokens = channel.unary_stream(
+                '/pagedserve.v1.EngineService/GenerateTokens',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.GenerateTokensRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.GenerateTokensResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
-                '/pagedserve.v1.Engine/Abort',
-                request_serializer=pagedserve_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_engine__pb2.AbortResponse.FromString,
+                '/pagedserve.v1.EngineService/Abort',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.AbortResponse.FromString,
                 _registered_method=True)
-        self.Stats = channel.unary_unary(
-                '/pagedserve.v1.Engine/Stats',
-                request_serializer=pagedserve_dot_proto_dot_engine__pb2.StatsRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_engine__pb2.EngineStats.FromString,
+        self.GetStats = channel.unary_unary(
+                '/pagedserve.v1.EngineService/GetStats',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
         self.GetEngineInfo = channel.unary_unary(
-                '/pagedserve.v1.Engine/GetEngineInfo',
-                request_serializer=pagedserve_dot_proto_dot_engine__pb2.EngineInfoRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_engine__pb2.EngineInfo.FromString,
+                '/pagedserve.v1.EngineService/GetEngineInfo',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.GetEngineInfoRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.GetEngineInfoResponse.FromString,
                 _registered_method=True)
         self.RegisterWorker = channel.unary_unary(
-                '/pagedserve.v1.Engine/RegisterWorker',
-                request_serializer=pagedserve_dot_proto_dot_engine__pb2.RegisterWorkerRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_proto_dot_engine__pb2.RegisterWorkerResponse.FromString,
+                '/pagedserve.v1.EngineService/RegisterWorker',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerResponse.FromString,
                 _registered_method=True)
 
 
-class EngineServicer:
+class EngineServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Generate(self, request, context):
+    def GenerateTokens(self, request, context):
         """Generate from prompt token ids; streams token ids as they are sampled. The last message of
         each of the n sequences has finish_reason set; the last message of the request carries usage.
         Closing the stream aborts the request.
@@ -80,7 +80,7 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Stats(self, request, context):
+    def GetStats(self, request, context):
         """The numbers behind the gateway's /metrics.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -102,46 +102,46 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_EngineServicer_to_server(servicer, server):
+def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=pagedserve_dot_proto_dot_engine__pb2.EngineGenerateRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_engine__pb2.EngineGenerateResponse.SerializeToString,
+            'GenerateTokens': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateTokens,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.GenerateTokensRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.GenerateTokensResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=pagedserve_dot_proto_dot_engine__pb2.AbortRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_engine__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.AbortRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.AbortResponse.SerializeToString,
             ),
-            'Stats': grpc.unary_unary_rpc_method_handler(
-                    servicer.Stats,
-                    request_deserializer=pagedserve_dot_proto_dot_engine__pb2.StatsRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_engine__pb2.EngineStats.SerializeToString,
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.GetStatsRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.GetStatsResponse.SerializeToString,
             ),
             'GetEngineInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetEngineInfo,
-                    request_deserializer=pagedserve_dot_proto_dot_engine__pb2.EngineInfoRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_engine__pb2.EngineInfo.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.GetEngineInfoRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.GetEngineInfoResponse.SerializeToString,
             ),
             'RegisterWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterWorker,
-                    request_deserializer=pagedserve_dot_proto_dot_engine__pb2.RegisterWorkerRequest.FromString,
-                    response_serializer=pagedserve_dot_proto_dot_engine__pb2.RegisterWorkerResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'pagedserve.v1.Engine', rpc_method_handlers)
+            'pagedserve.v1.EngineService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pagedserve.v1.Engine', rpc_method_handlers)
+    server.add_registered_method_handlers('pagedserve.v1.EngineService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Engine:
+class EngineService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Generate(request,
+    def GenerateTokens(request,
             target,
             options=(),
             channel_credentials=None,
@@ -154,9 +154,9 @@ class Engine:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pagedserve.v1.Engine/Generate',
-            pagedserve_dot_proto_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
-            pagedserve_dot_proto_dot_engine__pb2.EngineGenerateResponse.FromString,
+            '/pagedserve.v1.EngineService/GenerateTokens',
+            pagedserve_dot_v1_dot_engine__pb2.GenerateTokensRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.GenerateTokensResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -181,9 +181,9 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.Engine/Abort',
-            pagedserve_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
-            pagedserve_dot_proto_dot_engine__pb2.AbortResponse.FromString,
+            '/pagedserve.v1.EngineService/Abort',
+            pagedserve_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -195,7 +195,7 @@ class Engine:
             _registered_method=True)
 
     @staticmethod
-    def Stats(request,
+    def GetStats(request,
             target,
             options=(),
             channel_credentials=None,
@@ -208,9 +208,9 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.Engine/Stats',
-            pagedserve_dot_proto_dot_engine__pb2.StatsRequest.SerializeToString,
-            pagedserve_dot_proto_dot_engine__pb2.EngineStats.FromString,
+            '/pagedserve.v1.EngineService/GetStats',
+            pagedserve_dot_v1_dot_engine__pb2.GetStatsRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.GetStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -235,9 +235,9 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.Engine/GetEngineInfo',
-            pagedserve_dot_proto_dot_engine__pb2.EngineInfoRequest.SerializeToString,
-            pagedserve_dot_proto_dot_engine__pb2.EngineInfo.FromString,
+            '/pagedserve.v1.EngineService/GetEngineInfo',
+            pagedserve_dot_v1_dot_engine__pb2.GetEngineInfoRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.GetEngineInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -262,9 +262,9 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.Engine/RegisterWorker',
-            pagedserve_dot_proto_dot_engine__pb2.RegisterWorkerRequest.SerializeToString,
-            pagedserve_dot_proto_dot_engine__pb2.RegisterWorkerResponse.FromString,
+            '/pagedserve.v1.EngineService/RegisterWorker',
+            pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

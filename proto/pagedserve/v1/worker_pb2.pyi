@@ -1,4 +1,4 @@
-from pagedserve.proto import common_pb2 as _common_pb2
+from pagedserve.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -6,6 +6,18 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class StepsRequest(_message.Message):
+    __slots__ = ("plan",)
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    plan: StepPlan
+    def __init__(self, plan: _Optional[_Union[StepPlan, _Mapping]] = ...) -> None: ...
+
+class StepsResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: StepResult
+    def __init__(self, result: _Optional[_Union[StepResult, _Mapping]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("slot", "request_id", "token_ids", "prompt_len", "num_computed_tokens", "sampling", "trace_context")
@@ -116,9 +128,21 @@ class ResetRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class ModelInfoRequest(_message.Message):
+class ResetResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: ModelInfo
+    def __init__(self, info: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: ModelInfo
+    def __init__(self, info: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model", "num_blocks", "block_size", "dtype", "device", "max_model_len", "vocab_size", "num_layers", "num_kv_heads", "head_dim", "block_bytes", "eos_token_ids")

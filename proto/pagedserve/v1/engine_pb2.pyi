@@ -1,4 +1,4 @@
-from pagedserve.proto import common_pb2 as _common_pb2
+from pagedserve.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class EngineGenerateRequest(_message.Message):
+class GenerateTokensRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -21,7 +21,7 @@ class EngineGenerateRequest(_message.Message):
     priority: int
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
-class EngineGenerateResponse(_message.Message):
+class GenerateTokensResponse(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "logprobs", "finish_reason", "stop_token_id", "usage", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -55,9 +55,15 @@ class AbortResponse(_message.Message):
     aborted: bool
     def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
 
-class StatsRequest(_message.Message):
+class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("stats",)
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    stats: EngineStats
+    def __init__(self, stats: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
 
 class Histogram(_message.Message):
     __slots__ = ("bounds", "cumulative_counts", "count", "sum")
@@ -146,9 +152,15 @@ class EngineStats(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     def __init__(self, num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., requests_finished: _Optional[_Mapping[str, int]] = ..., time_to_first_token_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., inter_token_latency_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., e2e_request_latency_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., queue_time_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., num_blocks_in_use: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ...) -> None: ...
 
-class EngineInfoRequest(_message.Message):
+class GetEngineInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetEngineInfoResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: EngineInfo
+    def __init__(self, info: _Optional[_Union[EngineInfo, _Mapping]] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
     __slots__ = ("model", "max_model_len", "eos_token_ids", "vocab_size", "block_size", "num_healthy_workers", "max_queued_requests", "stalled", "seconds_without_progress")
