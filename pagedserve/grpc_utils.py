@@ -15,12 +15,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-# Plans and results of large batches, and long prompts, exceed gRPC's 4 MiB default.
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# NOTE: the largest message of the internal links is an Engine response carrying a long prompt's
+# logprobs (20 alternatives a position, about 190 bytes: some 25 MB for a 128K-token prompt); plans,
+# step results and prompts are far smaller. 64 MiB fits that and bounds what one message from a peer
+# can make a service allocate.
+INTERNAL_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", INTERNAL_MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", INTERNAL_MAX_MESSAGE_BYTES),
     # Notice a dead peer within seconds, not at the next write.
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
@@ -42,14 +45,20 @@ WORKER_CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 1_000),
 ]
 
-SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_permit_without_calls", 1),
-    # NOTE: the scheduler pings its workers every second; allow it (0 strikes = never GOAWAY).
-    ("grpc.http2.min_ping_interval_without_data_ms", 500),
-    ("grpc.http2.max_ping_strikes", 0),
-]
+
+def server_options(max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Options of a gRPC server that refuses (RESOURCE_EXHAUSTED) messages over max_message_bytes."""
+    return [
+        ("grpc.max_send_message_length", INTERNAL_MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # NOTE: the scheduler pings its workers every second; allow it (0 strikes = never GOAWAY).
+        ("grpc.http2.min_ping_interval_without_data_ms", 500),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
+
+
+SERVER_OPTIONS = server_options()
 
 
 @dataclass(slots=True, frozen=True)
@@ -127,6 +136,12 @@ def listen(server: grpc.aio.Server, address: str, tls: TLSConfig = PLAINTEXT) ->
     if tls.cert is not None:
         return server.add_secure_port(address, tls.server_credentials())
     return server.add_insecure_port(address)
+
+
+def public_server(max_message_bytes: int) -> grpc.aio.Server:
+    """A server for the public API: anyone may connect (the API keys are checked by the service itself);
+    a request larger than max_message_bytes is refused with RESOURCE_EXHAUSTED before it is parsed."""
+    return grpc.aio.server(options=server_options(max_message_bytes))
 
 
 def open_channel(address: str, tls: TLSConfig = PLAINTEXT, options=None) -> grpc.aio.Channel:

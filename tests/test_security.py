@@ -14,7 +14,13 @@ from stack_testing import Stack, assert_openai_error, running
 
 from pagedserve.grpc_utils import TLSConfig, open_sync_channel
 from pagedserve.internal_tls import generate
-from pagedserve.proto import engine_pb2, engine_pb2_grpc
+from pagedserve.proto import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    text_generation_pb2,
+    text_generation_pb2_grpc,
+)
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 # Long enough for several full blocks (block size 16) of shared prefix.
@@ -125,6 +131,22 @@ def test_body_over_the_limit_is_413(stack):
     with _client(stack, KEY_A) as client:
         response = client.post("/v1/completions", json={"prompt": "x" * 200_000})
     assert_openai_error(response, 413)
+
+
+@pytest.mark.slow
+def test_grpc_request_over_the_body_limit_is_refused_by_grpc_itself(stack):
+    # The public gRPC server takes messages up to --max-body-bytes (100000 here), as the HTTP API does.
+    key = (("authorization", f"Bearer {KEY_A}"),)
+    sampling = common_pb2.SamplingParams(max_tokens=2)
+    with grpc.insecure_channel(stack.grpc_address) as channel:
+        stub = text_generation_pb2_grpc.TextGenerationStub(channel)
+        too_large = text_generation_pb2.GenerateRequest(prompt="x" * 100_001, sampling=sampling)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(too_large, metadata=key, timeout=30))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than max" in info.value.details()
+        small = text_generation_pb2.GenerateRequest(prompt="Hello", sampling=sampling)
+        assert list(stub.Generate(small, metadata=key, timeout=60))
 
 
 def test_api_keys_compare_in_constant_time_and_map_to_distinct_tenants():
