@@ -96,7 +96,7 @@ class DrainingServer(uvicorn.Server):
 
 
 async def serve(config: GatewayConfig, tokenizer: Tokenizer, model: ModelInfo) -> None:
-    engine = EngineClient(config.scheduler, config.tls)
+    engine = EngineClient(config.scheduler, config.tls, config.cluster_auth)
     app = create_app(config, tokenizer, model, engine)
     freeze_startup_objects()
     grpc_server = None

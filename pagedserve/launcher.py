@@ -6,8 +6,12 @@ terminal. Each child runs in its own process group, so stopping one also stops a
 on Ctrl-C or SIGTERM the stack drains: the gateway and the scheduler get SIGTERM first (they refuse
 new requests and let the running ones finish, up to --shutdown-timeout), the workers only once the
 scheduler is gone, and anything still alive after the grace period gets SIGKILL. If a child dies
-unexpectedly the rest are stopped and the launcher exits non-zero. With --internal-tls the links
-between the processes are mutual TLS under a throwaway CA generated at start.
+unexpectedly the rest are stopped and the launcher exits non-zero.
+
+Only members of the cluster may call the scheduler and the workers: the children share a cluster
+token (the one configured, else a random one made here), passed through their environment, never on
+a command line. With --internal-tls the links between the processes are also mutual TLS under a
+throwaway CA generated at start.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -25,10 +30,14 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedserve.logging import configure_logging, get_logger
+
+if TYPE_CHECKING:
+    from pagedserve.grpc_utils import ClusterAuth
 
 log = get_logger("pagedserve.launcher")
 
@@ -89,6 +98,8 @@ class LaunchConfig:
     max_queued_requests: int | None
     # Mutual TLS between the processes under a CA generated for this run.
     internal_tls: bool
+    # File holding the cluster token the children share (None: PAGEDSERVE_CLUSTER_TOKEN, else a random one).
+    cluster_token_file: str | None
     log_level: str
 
 
@@ -136,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="mutual TLS between gateway, scheduler and workers (throwaway CA generated at start)",
     )
+    parser.add_argument(
+        "--cluster-token-file",
+        default=env.get("PAGEDSERVE_CLUSTER_TOKEN_FILE") or None,
+        help="file holding the token the processes share (default: PAGEDSERVE_CLUSTER_TOKEN, else random)",
+    )
     parser.add_argument("--log-level", default=env.get("PAGEDSERVE_LOG_LEVEL", "info"))
     return parser
 
@@ -159,14 +175,15 @@ def _die_with_parent() -> None:
 class Supervisor:
     """The child processes, started in order and stopped in reverse."""
 
-    def __init__(self, stop_timeout: float):
+    def __init__(self, stop_timeout: float, env: Mapping[str, str] | None = None):
         self.stop_timeout = stop_timeout
+        self.env = dict(os.environ if env is None else env)
         self.children: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, name: str, args: Sequence[str]) -> None:
         command = cli_command(*args)
         log.info("starting", process=name, command=" ".join(command))
-        process = subprocess.Popen(command, preexec_fn=_die_with_parent)
+        process = subprocess.Popen(command, env=self.env, preexec_fn=_die_with_parent)
         self.children.append((name, process))
 
     def first_dead(self) -> tuple[str, int] | None:
@@ -209,7 +226,7 @@ class _Stop(Exception):
     pass
 
 
-def _engine_ready(address: str, workers: int, tls) -> bool:
+def _engine_ready(address: str, workers: int, tls, auth) -> bool:
     """The scheduler is SERVING and all `workers` registered."""
     from pagedserve.grpc_utils import check_health, open_channel
     from pagedserve.proto import engine_pb2, engine_pb2_grpc
@@ -217,7 +234,7 @@ def _engine_ready(address: str, workers: int, tls) -> bool:
     async def probe() -> bool:
         if not await check_health(address, timeout=1.0, tls=tls):
             return False
-        async with open_channel(address, tls) as channel:
+        async with open_channel(address, tls, auth=auth) as channel:
             info = await engine_pb2_grpc.EngineStub(channel).GetEngineInfo(
                 engine_pb2.EngineInfoRequest(), timeout=1.0
             )
@@ -308,14 +325,37 @@ def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, sched
     return scheduler, workers, gateway
 
 
+def cluster_environment(
+    auth: ClusterAuth, env: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], ClusterAuth]:
+    """The children's environment carrying the cluster token (auth's, else a new random one), and the
+    ClusterAuth the launcher itself calls with.
+
+    NOTE: through the environment, not a flag: a process's command line is visible to every user of
+    the machine (ps), its environment only to its owner."""
+    from pagedserve.grpc_utils import CLUSTER_TOKEN_ENV, ClusterAuth
+
+    if auth.token is None:
+        auth = ClusterAuth(secrets.token_urlsafe(32))
+    children = dict(os.environ if env is None else env)
+    children.pop("PAGEDSERVE_CLUSTER_TOKEN_FILE", None)
+    children[CLUSTER_TOKEN_ENV] = auth.token
+    return children, auth
+
+
 def serve(config: LaunchConfig) -> int:
+    from pagedserve.grpc_utils import PLAINTEXT, ClusterAuth, TLSConfig
     from pagedserve.model_files import model_name, resolve_model
 
+    try:
+        child_env, auth = cluster_environment(ClusterAuth.load(config.cluster_token_file))
+    except ValueError as error:
+        log.error("startup failed", error=str(error))
+        return 1
     model_dir = str(resolve_model(config.model))
     scheduler_port = config.scheduler_port or free_port()
     engine_address = f"{LOOPBACK}:{scheduler_port}"
     with_gateway = config.gateway
-    from pagedserve.grpc_utils import PLAINTEXT, TLSConfig
 
     certs, tls, tls_dir = None, PLAINTEXT, None
     if config.internal_tls:
@@ -332,7 +372,7 @@ def serve(config: LaunchConfig) -> int:
         raise _Stop(signal.Signals(signum).name)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    supervisor = Supervisor(config.stop_timeout)
+    supervisor = Supervisor(config.stop_timeout, env=child_env)
     try:
         supervisor.start("scheduler", scheduler_args)
         for i, args in enumerate(worker_args):
@@ -341,7 +381,7 @@ def serve(config: LaunchConfig) -> int:
             supervisor.start("gateway", gateway_args)
         deadline = time.monotonic() + config.startup_timeout
         _wait_until(
-            lambda: _engine_ready(engine_address, config.workers, tls),
+            lambda: _engine_ready(engine_address, config.workers, tls, auth),
             supervisor,
             "scheduler+workers",
             deadline,
@@ -358,7 +398,8 @@ def serve(config: LaunchConfig) -> int:
         if with_gateway:
             lines.append(f"  OpenAI API:  http://{http_host}:{config.port}/v1")
             lines.append(f"  gRPC API:    {http_host}:{config.grpc_port}")
-        lines.append(f"  Engine:      {engine_address} (internal{', mutual TLS' if certs else ''})")
+        membership = f"mutual TLS, certificates in {tls_dir}" if certs else "cluster token"
+        lines.append(f"  Engine:      {engine_address} (internal; members only: {membership})")
         lines.append("Press Ctrl-C to stop.")
         print("\n".join(lines), flush=True)
         while True:

@@ -222,7 +222,7 @@ def test_sigterm_drains_gateway_and_scheduler_in_flight_requests_finish(stack, c
     assert stack.gateway.wait(15) == 0
 
     # The scheduler drains the same way (Engine API directly: the gateway is gone now).
-    with grpc.insecure_channel(stack.engine_address) as channel:
+    with stack.engine_channel() as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         request = engine_pb2.EngineGenerateRequest(
             request_id="drain-1",
