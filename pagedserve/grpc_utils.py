@@ -20,7 +20,7 @@ import inspect
 import ipaddress
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -141,8 +141,9 @@ class ClusterAuth:
     the internal CA: the certificate is the proof), or when the call carries the token (compared in
     constant time), or, with neither configured, when it comes from a loopback peer."""
 
-    # The shared secret (printable ASCII), from PAGEDSERVE_CLUSTER_TOKEN or --cluster-token-file.
-    token: str | None = None
+    # The shared secret (printable ASCII), from PAGEDSERVE_CLUSTER_TOKEN or --cluster-token-file; kept
+    # out of repr() so that no log line or traceback shows it.
+    token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.token is not None and not (self.token and self.token.isascii() and self.token.isprintable()):
