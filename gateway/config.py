@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagedserve.flags import EnvFlags
-from pagedserve.grpc_utils import TLSConfig
+from pagedserve.grpc_utils import ClusterAuth, TLSConfig, add_cluster_token_argument
 
 
 @dataclass(slots=True, frozen=True)
@@ -28,12 +28,17 @@ class GatewayConfig:
     tls_cert: str | None = None  # PEM certificate presented to the scheduler (mutual TLS)
     tls_key: str | None = None  # its private key
     tls_ca: str | None = None  # PEM CA the scheduler's certificate must chain to; enables TLS
+    cluster_token_file: str | None = None  # file holding the cluster token (see grpc_utils.ClusterAuth)
     log_level: str = "info"  # structlog level
     vllm_metric_aliases: bool = True  # also export every metric under vLLM's `vllm:` names
 
     @property
     def tls(self) -> TLSConfig:
         return TLSConfig(self.tls_cert, self.tls_key, self.tls_ca)
+
+    @property
+    def cluster_auth(self) -> ClusterAuth:
+        return ClusterAuth.load(self.cluster_token_file)
 
     def all_api_keys(self) -> tuple[str, ...]:
         return tuple(k for k in (self.api_key, *self.api_keys) if k)
@@ -61,6 +66,7 @@ class GatewayConfig:
         add("--tls-cert", str, "PEM client certificate presented to the scheduler (mutual TLS)")
         add("--tls-key", str, "private key of --tls-cert")
         add("--tls-ca", str, "PEM CA of the scheduler's certificate; enables TLS")
+        add_cluster_token_argument(add)
         add("--log-level", str, "debug, info, warning, error", d.log_level)
         flags.add_bool("--vllm-metric-aliases", "also export metrics under vLLM's `vllm:` names", True)
         args = parser.parse_args(argv)
@@ -71,6 +77,7 @@ class GatewayConfig:
             parser.error("--max-n must be positive")
         try:
             config.tls  # noqa: B018 -- checks the TLS flags go together and the files exist
+            config.cluster_auth  # noqa: B018 -- checks the token file exists
         except ValueError as error:
             parser.error(str(error))
         return config

@@ -14,7 +14,14 @@ import grpc
 from opentelemetry.context import Context
 
 from pagedserve.errors import from_grpc_error
-from pagedserve.grpc_utils import PLAINTEXT, TLSConfig, open_channel, open_sync_channel
+from pagedserve.grpc_utils import (
+    NO_CLUSTER_AUTH,
+    PLAINTEXT,
+    ClusterAuth,
+    TLSConfig,
+    open_channel,
+    open_sync_channel,
+)
 from pagedserve.logging import get_logger
 from pagedserve.tracing import inject_metadata
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc
@@ -26,12 +33,13 @@ ABORT_TIMEOUT_S = 5.0
 
 
 class EngineClient:
-    def __init__(self, address: str, tls: TLSConfig = PLAINTEXT):
+    def __init__(self, address: str, tls: TLSConfig = PLAINTEXT, auth: ClusterAuth = NO_CLUSTER_AUTH):
         self.address = address
         self.tls = tls
+        self.auth = auth
         # NOTE: the channel reconnects by itself (within ~2 s, see CHANNEL_OPTIONS) when the scheduler
         # restarts; calls made while it is down fail at once with UNAVAILABLE (a 503 to the client).
-        self._channel = open_channel(address, tls)
+        self._channel = open_channel(address, tls, auth=auth)
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._background: set[asyncio.Task] = set()  # aborts in flight, kept referenced until done
         self._sync_channel: grpc.Channel | None = None
@@ -87,7 +95,7 @@ class EngineClient:
     def stats_sync(self, timeout: float = INFO_TIMEOUT_S) -> engine_pb2.EngineStats:
         """Blocking GetStats, for prometheus_client's collectors (run in a thread, never on the loop)."""
         if self._sync_channel is None:
-            self._sync_channel = open_sync_channel(self.address, self.tls)
+            self._sync_channel = open_sync_channel(self.address, self.tls, auth=self.auth)
         stub = engine_pb2_grpc.EngineServiceStub(self._sync_channel)
         try:
             response = stub.GetStats(engine_pb2.GetStatsRequest(), timeout=timeout)

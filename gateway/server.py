@@ -7,11 +7,10 @@ import contextlib
 import sys
 import time
 
-import grpc
 import uvicorn
 
 from pagedserve.errors import PagedServeError
-from pagedserve.grpc_utils import SERVER_OPTIONS, add_health_and_reflection, set_serving
+from pagedserve.grpc_utils import add_health_and_reflection, public_server, set_serving
 from pagedserve.logging import configure_logging, get_logger
 from pagedserve.service_main import freeze_startup_objects, run_event_loop
 from pagedserve.tracing import setup_tracing
@@ -97,13 +96,13 @@ class DrainingServer(uvicorn.Server):
 
 
 async def serve(config: GatewayConfig, tokenizer: Tokenizer, model: ModelInfo) -> None:
-    engine = EngineClient(config.scheduler, config.tls)
+    engine = EngineClient(config.scheduler, config.tls, config.cluster_auth)
     app = create_app(config, tokenizer, model, engine)
     freeze_startup_objects()
     grpc_server = None
     servicer = TextGenerationServicer(app.state.gateway.core, ApiKeys(config.all_api_keys()))
     if config.grpc_port:
-        grpc_server = grpc.aio.server(options=SERVER_OPTIONS)
+        grpc_server = public_server(config.max_body_bytes)
         text_generation_pb2_grpc.add_TextGenerationServiceServicer_to_server(servicer, grpc_server)
         health = add_health_and_reflection(grpc_server, [SERVICE_NAME])
         grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")

@@ -24,6 +24,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "pagedserve.healthcheck",
         "exit 0 when a gRPC or HTTP service is healthy (container checks)",
     ),
+    "cluster-token": (
+        "pagedserve.cluster_token",
+        "write a random cluster token into a file once (compose's cluster-init)",
+    ),
 }
 
 

@@ -5,9 +5,18 @@ inherit stdout/stderr, so their JSON log lines (each carrying its "service") com
 terminal. Each child runs in its own process group, so stopping one also stops anything it started;
 on Ctrl-C or SIGTERM the stack drains: the gateway and the scheduler get SIGTERM first (they refuse
 new requests and let the running ones finish, up to --shutdown-timeout), the workers only once the
-scheduler is gone, and anything still alive after the grace period gets SIGKILL. If a child dies
-unexpectedly the rest are stopped and the launcher exits non-zero. With --internal-tls the links
-between the processes are mutual TLS under a throwaway CA generated at start.
+scheduler is gone, and anything still alive after the grace period gets SIGKILL.
+
+Once the stack serves, a child that dies is started again with the same arguments after a backoff
+that doubles with each restart in the last minute (a worker keeps its worker id and registers again;
+meanwhile the scheduler moves its requests to the other workers); a child that dies more often than
+--max-restarts-per-minute stops the stack, and the launcher exits non-zero. A death during start-up
+stops it at once.
+
+Only members of the cluster may call the scheduler and the workers: the children share a cluster
+token (the one configured, else a random one made here), passed through their environment, never on
+a command line. With --internal-tls the links between the processes are also mutual TLS under a
+throwaway CA generated at start.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -25,14 +35,22 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedserve.logging import configure_logging, get_logger
+
+if TYPE_CHECKING:
+    from pagedserve.grpc_utils import ClusterAuth
 
 log = get_logger("pagedserve.launcher")
 
 LOOPBACK = "127.0.0.1"
+# The window --max-restarts-per-minute counts restarts in, and the longest wait before a restart.
+RESTART_WINDOW_S = 60.0
+MAX_RESTART_BACKOFF_S = 30.0
 
 
 def python_command(*args: str) -> list[str]:
@@ -89,6 +107,12 @@ class LaunchConfig:
     max_queued_requests: int | None
     # Mutual TLS between the processes under a CA generated for this run.
     internal_tls: bool
+    # File holding the cluster token the children share (None: PAGEDSERVE_CLUSTER_TOKEN, else a random one).
+    cluster_token_file: str | None
+    # Restarts of one child within a minute before the stack stops instead (0: never restart).
+    max_restarts_per_minute: int
+    # Seconds before a child's first restart; doubles with each restart of it in the last minute.
+    restart_backoff: float
     log_level: str
 
 
@@ -136,6 +160,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="mutual TLS between gateway, scheduler and workers (throwaway CA generated at start)",
     )
+    parser.add_argument(
+        "--cluster-token-file",
+        default=env.get("PAGEDSERVE_CLUSTER_TOKEN_FILE") or None,
+        help="file holding the token the processes share (default: PAGEDSERVE_CLUSTER_TOKEN, else random)",
+    )
+    parser.add_argument(
+        "--max-restarts-per-minute",
+        type=int,
+        default=5,
+        help="restarts of one process within a minute before the whole stack stops (0: never restart)",
+    )
+    parser.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=1.0,
+        help="seconds before a process that died starts again; doubles with each restart in the last minute",
+    )
     parser.add_argument("--log-level", default=env.get("PAGEDSERVE_LOG_LEVEL", "info"))
     return parser
 
@@ -156,36 +197,105 @@ def _die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-class Supervisor:
-    """The child processes, started in order and stopped in reverse."""
+@dataclass(slots=True)
+class Child:
+    # Its name in logs ("scheduler", "worker-0", "gateway").
+    name: str
+    # Its `pagedserve` arguments, the same at every restart.
+    args: list[str]
+    # The running process; None while a restart is pending.
+    process: subprocess.Popen | None = None
+    # When (time.monotonic) it was restarted, within the last RESTART_WINDOW_S.
+    restarts: deque[float] = field(default_factory=deque)
+    # When (time.monotonic) its pending restart is due.
+    restart_at: float | None = None
 
-    def __init__(self, stop_timeout: float):
+
+class TooManyRestarts(RuntimeError):
+    pass
+
+
+class Supervisor:
+    """The child processes: started in order, restarted when they die (supervise()), stopped in reverse."""
+
+    def __init__(
+        self,
+        stop_timeout: float,
+        max_restarts_per_minute: int = 5,
+        restart_backoff: float = 1.0,
+        env: Mapping[str, str] | None = None,
+        command: Callable[..., list[str]] = cli_command,
+    ):
         self.stop_timeout = stop_timeout
-        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.max_restarts_per_minute = max_restarts_per_minute
+        self.restart_backoff = restart_backoff
+        self.env = dict(os.environ if env is None else env)
+        self.command = command
+        self.children: dict[str, Child] = {}
 
     def start(self, name: str, args: Sequence[str]) -> None:
-        command = cli_command(*args)
-        log.info("starting", process=name, command=" ".join(command))
-        process = subprocess.Popen(command, preexec_fn=_die_with_parent)
-        self.children.append((name, process))
+        child = Child(name, list(args))
+        self.children[name] = child
+        self._spawn(child)
+
+    def _spawn(self, child: Child) -> None:
+        command = self.command(*child.args)
+        child.process = subprocess.Popen(command, env=self.env, preexec_fn=_die_with_parent)
+        child.restart_at = None
+        log.info("started", process=child.name, pid=child.process.pid, command=" ".join(command))
 
     def first_dead(self) -> tuple[str, int] | None:
-        for name, process in self.children:
-            code = process.poll()
+        for child in self.children.values():
+            code = None if child.process is None else child.process.poll()
             if code is not None:
-                return name, code
+                return child.name, code
         return None
+
+    def supervise(self, now: float | None = None) -> None:
+        """Notice children that died, schedule their restarts, start the ones due. Raises TooManyRestarts
+        when a child dies with --max-restarts-per-minute restarts already in the last minute."""
+        now = time.monotonic() if now is None else now
+        for child in self.children.values():
+            while child.restarts and now - child.restarts[0] > RESTART_WINDOW_S:
+                child.restarts.popleft()
+            if child.process is not None and (code := child.process.poll()) is not None:
+                self._died(child, code, now)
+            if child.process is None and child.restart_at is not None and now >= child.restart_at:
+                child.restarts.append(now)
+                self._spawn(child)
+                log.warning("restarted", process=child.name, restarts_in_last_minute=len(child.restarts))
+
+    def _died(self, child: Child, code: int, now: float) -> None:
+        assert child.process is not None
+        pid = child.process.pid
+        # Whatever it started in its group goes with it.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        child.process = None
+        recent = len(child.restarts)
+        if recent >= self.max_restarts_per_minute:
+            log.error("exited", process=child.name, pid=pid, code=code, restarts_in_last_minute=recent)
+            raise TooManyRestarts(
+                f"{child.name} exited with code {code} after {recent} restart(s) in the last minute "
+                f"(--max-restarts-per-minute {self.max_restarts_per_minute}); stopping the stack"
+            )
+        delay = min(self.restart_backoff * 2**recent, MAX_RESTART_BACKOFF_S)
+        child.restart_at = now + delay
+        log.warning("exited", process=child.name, pid=pid, code=code, restart_in_seconds=delay)
 
     def stop(self, first: Sequence[str] = (), drain_timeout: float = 0.0) -> None:
         """SIGTERM the children named in `first` and give them drain_timeout (+ stop_timeout) to exit,
         then the others; SIGKILL whatever outlives its grace period."""
-        early = [(n, p) for n, p in reversed(self.children) if n in first]
-        late = [(n, p) for n, p in reversed(self.children) if n not in first]
+        for child in self.children.values():
+            child.restart_at = None
+        running = [(c.name, c.process) for c in reversed(self.children.values()) if c.process is not None]
+        early = [(n, p) for n, p in running if n in first]
+        late = [(n, p) for n, p in running if n not in first]
         if early:
             self._terminate(early, drain_timeout + self.stop_timeout)
         self._terminate(late, self.stop_timeout)
         # Anything a child left in its group (its own children) goes too.
-        for _name, process in self.children:
+        for _name, process in running:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
 
@@ -209,7 +319,7 @@ class _Stop(Exception):
     pass
 
 
-def _engine_ready(address: str, workers: int, tls) -> bool:
+def _engine_ready(address: str, workers: int, tls, auth) -> bool:
     """The scheduler is SERVING and all `workers` registered."""
     from pagedserve.grpc_utils import check_health, open_channel
     from pagedserve.v1 import engine_pb2, engine_pb2_grpc
@@ -217,7 +327,7 @@ def _engine_ready(address: str, workers: int, tls) -> bool:
     async def probe() -> bool:
         if not await check_health(address, timeout=1.0, tls=tls):
             return False
-        async with open_channel(address, tls) as channel:
+        async with open_channel(address, tls, auth=auth) as channel:
             response = await engine_pb2_grpc.EngineServiceStub(channel).GetEngineInfo(
                 engine_pb2.GetEngineInfoRequest(), timeout=1.0
             )
@@ -308,14 +418,37 @@ def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, sched
     return scheduler, workers, gateway
 
 
+def cluster_environment(
+    auth: ClusterAuth, env: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], ClusterAuth]:
+    """The children's environment carrying the cluster token (auth's, else a new random one), and the
+    ClusterAuth the launcher itself calls with.
+
+    NOTE: through the environment, not a flag: a process's command line is visible to every user of
+    the machine (ps), its environment only to its owner."""
+    from pagedserve.grpc_utils import CLUSTER_TOKEN_ENV, ClusterAuth
+
+    if auth.token is None:
+        auth = ClusterAuth(secrets.token_urlsafe(32))
+    children = dict(os.environ if env is None else env)
+    children.pop("PAGEDSERVE_CLUSTER_TOKEN_FILE", None)
+    children[CLUSTER_TOKEN_ENV] = auth.token
+    return children, auth
+
+
 def serve(config: LaunchConfig) -> int:
+    from pagedserve.grpc_utils import PLAINTEXT, ClusterAuth, TLSConfig
     from pagedserve.model_files import model_name, resolve_model
 
+    try:
+        child_env, auth = cluster_environment(ClusterAuth.load(config.cluster_token_file))
+    except ValueError as error:
+        log.error("startup failed", error=str(error))
+        return 1
     model_dir = str(resolve_model(config.model))
     scheduler_port = config.scheduler_port or free_port()
     engine_address = f"{LOOPBACK}:{scheduler_port}"
     with_gateway = config.gateway
-    from pagedserve.grpc_utils import PLAINTEXT, TLSConfig
 
     certs, tls, tls_dir = None, PLAINTEXT, None
     if config.internal_tls:
@@ -332,7 +465,9 @@ def serve(config: LaunchConfig) -> int:
         raise _Stop(signal.Signals(signum).name)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    supervisor = Supervisor(config.stop_timeout)
+    supervisor = Supervisor(
+        config.stop_timeout, config.max_restarts_per_minute, config.restart_backoff, env=child_env
+    )
     try:
         supervisor.start("scheduler", scheduler_args)
         for i, args in enumerate(worker_args):
@@ -341,7 +476,7 @@ def serve(config: LaunchConfig) -> int:
             supervisor.start("gateway", gateway_args)
         deadline = time.monotonic() + config.startup_timeout
         _wait_until(
-            lambda: _engine_ready(engine_address, config.workers, tls),
+            lambda: _engine_ready(engine_address, config.workers, tls, auth),
             supervisor,
             "scheduler+workers",
             deadline,
@@ -358,18 +493,19 @@ def serve(config: LaunchConfig) -> int:
         if with_gateway:
             lines.append(f"  OpenAI API:  http://{http_host}:{config.port}/v1")
             lines.append(f"  gRPC API:    {http_host}:{config.grpc_port}")
-        lines.append(f"  Engine:      {engine_address} (internal{', mutual TLS' if certs else ''})")
+        membership = f"mutual TLS, certificates in {tls_dir}" if certs else "cluster token"
+        lines.append(f"  Engine:      {engine_address} (internal; members only: {membership})")
         lines.append("Press Ctrl-C to stop.")
         print("\n".join(lines), flush=True)
         while True:
-            dead = supervisor.first_dead()
-            if dead is not None:
-                log.error("a process exited unexpectedly; stopping the others", process=dead[0], code=dead[1])
-                return 1
-            time.sleep(0.5)
+            supervisor.supervise()
+            time.sleep(0.2)
     except _Stop as stop:
         log.info("stopping", signal=str(stop))
         return 0
+    except TooManyRestarts as error:
+        log.error("restart limit reached", error=str(error))
+        return 1
     except (RuntimeError, TimeoutError) as error:
         log.error("startup failed", error=str(error))
         return 1
@@ -390,5 +526,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging("launcher", args.log_level)
     if args.workers < 1:
         print("pagedserve serve: --workers must be at least 1", file=sys.stderr)
+        return 2
+    if args.max_restarts_per_minute < 0 or args.restart_backoff < 0:
+        print(
+            "pagedserve serve: --max-restarts-per-minute and --restart-backoff must not be negative",
+            file=sys.stderr,
+        )
         return 2
     return serve(LaunchConfig(**vars(args)))

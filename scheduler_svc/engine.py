@@ -94,7 +94,7 @@ class Engine:
             # its state matches ours, so there is nothing to reset.
             log.info("worker_reregistered", worker_id=reg.worker_id, address=reg.address)
             return engine_pb2.RegisterWorkerResponse(accepted=True)
-        channel = open_channel(reg.address, self.config.tls, WORKER_CHANNEL_OPTIONS)
+        channel = open_channel(reg.address, self.config.tls, WORKER_CHANNEL_OPTIONS, self.config.cluster_auth)
         try:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
             info = (await stub.Reset(worker_pb2.ResetRequest(), timeout=30.0)).info

@@ -20,7 +20,7 @@ import structlog
 from opentelemetry.trace import Status, StatusCode
 
 from pagedserve.errors import PagedServeError, abort_with
-from pagedserve.grpc_utils import SERVER_OPTIONS, add_health_and_reflection, listen, set_serving
+from pagedserve.grpc_utils import add_health_and_reflection, internal_server, listen, set_serving
 from pagedserve.logging import get_logger
 from pagedserve.model_files import load_generation_info, model_name, resolve_model
 from pagedserve.scheduler_svc.engine import Engine
@@ -129,7 +129,7 @@ class SchedulerServer:
     def __init__(self, config: SchedulerServiceConfig, engine: Engine):
         self.config = config
         self.engine = engine
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.server = internal_server(config.cluster_auth, config.tls)
         self.servicer = EngineServicer(engine, self.sync_health)
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE_NAME])

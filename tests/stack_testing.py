@@ -2,7 +2,8 @@
 
 Two shapes, one `Stack`: `pagedserve serve` (serve_args set), the way users run it, or a scheduler, N
 workers and optionally a gateway, each its own process, so a test can kill, restart or signal any one
-of them. Either way every process logs into log_dir, the ports are free loopback ports, and
+of them. Either way every process logs into log_dir, the ports are free loopback ports, every process
+shares a cluster token of the stack's own (the test's Engine calls carry it too), and
 `running(stack)` starts it, waits until it serves and stops it.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,7 +26,7 @@ import grpc
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedserve.grpc_utils import PLAINTEXT, TLSConfig, open_sync_channel
+from pagedserve.grpc_utils import CLUSTER_TOKEN_ENV, PLAINTEXT, ClusterAuth, TLSConfig, open_sync_channel
 from pagedserve.launcher import cli_command, worker_threads
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc
 
@@ -91,6 +93,8 @@ class Stack:
     # TLS flags for every service (None: plaintext); client_tls is what the test itself dials with.
     tls_args: list[str] | None = None
     client_tls: TLSConfig = PLAINTEXT
+    # The cluster token every process gets in PAGEDSERVE_CLUSTER_TOKEN (None: none, loopback peers only).
+    cluster_token: str | None = field(default_factory=lambda: secrets.token_urlsafe(24))
     engine_port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
     grpc_port: int = field(default_factory=free_port)
@@ -100,6 +104,16 @@ class Stack:
     gateway: subprocess.Popen | None = None
     # Log files held open as long as their processes run.
     _log_files: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    @property
+    def client_auth(self) -> ClusterAuth:
+        """What the test's own Engine and Worker calls prove membership with."""
+        return ClusterAuth(self.cluster_token)
+
+    @property
+    def process_env(self) -> dict[str, str]:
+        token = {CLUSTER_TOKEN_ENV: self.cluster_token} if self.cluster_token is not None else {}
+        return {**token, **self.env}
 
     @property
     def engine_address(self) -> str:
@@ -148,7 +162,7 @@ class Stack:
         args += ["--startup-timeout", str(STARTUP_TIMEOUT_S), *(self.serve_args or [])]
         stdout = self._log_files.enter_context(self.stdout_path.open("w"))
         stderr = self._log_files.enter_context(self.stderr_path.open("w"))
-        self.serve_process = _spawn(args, stdout, stderr, self.env)
+        self.serve_process = _spawn(args, stdout, stderr, self.process_env)
         banner = self._wait_for_banner()
         assert any(self.openai_base_url in line for line in banner), banner
 
@@ -167,7 +181,7 @@ class Stack:
 
     def _spawn_service(self, args: list[str], name: str) -> subprocess.Popen:
         log = self._log_files.enter_context((self.log_dir / f"{name}.log").open("ab"))
-        return _spawn(args, log, subprocess.STDOUT, self.env)
+        return _spawn(args, log, subprocess.STDOUT, self.process_env)
 
     def start_scheduler(self, extra: list[str] | None = None) -> None:
         args = ["scheduler", "--model", str(self.model_dir), "--host", LOOPBACK]
@@ -211,11 +225,33 @@ class Stack:
             for p in sorted(self.log_dir.glob("*.log"))
         )
 
+    def launcher_events(self, event: str | None = None) -> list[dict]:
+        """`pagedserve serve`'s own JSON log lines (those of its "launcher" service), optionally one event's."""
+        events = []
+        for line in self.stderr_path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and record.get("service") == "launcher":
+                    events.append(record)
+        return [e for e in events if event is None or e.get("event") == event]
+
+    def child_pid(self, name: str) -> int | None:
+        """The pid of `pagedserve serve`'s latest start of the child `name` (from its "started" lines)."""
+        started = [e["pid"] for e in self.launcher_events("started") if e.get("process") == name]
+        return started[-1] if started else None
+
     # --- probes ---
+    def engine_channel(self) -> grpc.Channel:
+        """A blocking channel to the Engine service whose calls prove membership as the stack's own do."""
+        return open_sync_channel(self.engine_address, self.client_tls, auth=self.client_auth)
+
     def engine_stats(self, timeout: float = 30.0) -> engine_pb2.EngineStats:
-        with open_sync_channel(self.engine_address, self.client_tls) as channel:
-            stub = engine_pb2_grpc.EngineServiceStub(channel)
-            return stub.GetStats(engine_pb2.GetStatsRequest(), timeout=timeout).stats
+        with self.engine_channel() as channel:
+            return (
+                engine_pb2_grpc.EngineServiceStub(channel)
+                .GetStats(engine_pb2.GetStatsRequest(), timeout=timeout)
+                .stats
+            )
 
     def healthy_workers(self) -> set[str]:
         try:

@@ -1,44 +1,251 @@
-"""The container deployment: docker-compose.yml, the Dockerfiles and the observability configs.
+"""The container deployment, run without Docker: docker-compose.yml's own services as local processes.
 
-The commands and variables in the compose file are checked against the real argparse parsers, so a
-renamed flag fails here instead of in a container. `docker compose config` runs where Docker's
-compose plugin (or a v2 `docker-compose`) is installed.
+Each pagedserve service's `command` runs as `pagedserve <command>` with its `environment`, both read
+from the compose file and interpolated as compose does (`${VAR:-default}`, and a variable listed
+without a value passed only when the shell sets it). The service names and `localhost` become
+127.0.0.1, each container port a free loopback port, each named volume a folder. The one-shot services
+run to their end first, the others start in the order their `depends_on` conditions allow (a
+`service_healthy` condition waits for that service's own healthcheck command). Then the stack must
+answer an OpenAI request through the gateway, every healthcheck command must pass, and the scheduler
+must refuse a caller without the cluster token that cluster-init wrote.
+
+What needs Docker itself (`docker compose config`) runs where Docker's compose plugin is installed;
+the Dockerfiles and .dockerignore are checked as text.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
-from contextlib import contextmanager
+import time
+from collections.abc import Iterator
 from pathlib import Path
-from unittest import mock
 
+import grpc
+import httpx
 import pytest
 
 yaml = pytest.importorskip("yaml")
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-from pagedserve import healthcheck, prepare_model  # noqa: E402
-from pagedserve.cli import SUBCOMMANDS  # noqa: E402
-from pagedserve.gateway.config import GatewayConfig  # noqa: E402
-from pagedserve.scheduler_svc import service_config  # noqa: E402
-from pagedserve.worker_svc import config as worker_config  # noqa: E402
+from pagedserve.grpc_utils import NO_CLUSTER_AUTH, ClusterAuth, open_sync_channel  # noqa: E402
+from pagedserve.launcher import cli_command  # noqa: E402
+from pagedserve.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 GPU_COMPOSE_FILE = ROOT / "docker-compose.gpu.yml"
 CPU_DOCKERFILE = ROOT / "docker" / "Dockerfile.cpu"
 CUDA_DOCKERFILE = ROOT / "docker" / "Dockerfile.cuda"
-CACHE_VOLUME = "model-cache"
-PAGEDSERVE_SERVICES = ("model-init", "scheduler", "worker", "gateway")
-LONG_RUNNING = ("scheduler", "worker", "gateway")
+LOOPBACK = "127.0.0.1"
+# What the operator sets in the shell (or .env) for this run: an API key, as the README says to do
+# before publishing the gateway, and a small KV pool.
+SHELL = {"PAGEDSERVE_API_KEY": "deployment-test-key", "PAGEDSERVE_NUM_BLOCKS": "256"}
+START_TIMEOUT_S = 300
 _INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+_HOST_PORT = re.compile(r"\b([A-Za-z][\w.-]*|0\.0\.0\.0):(\d+)\b")
 
 
 def load_compose(path: Path = COMPOSE_FILE) -> dict:
     return yaml.safe_load(path.read_text())
+
+
+def interpolate(value: str, shell: dict[str, str]) -> str:
+    """${VAR:-default} -> VAR's value in the shell, else default, as compose does."""
+    return _INTERPOLATION.sub(lambda m: shell.get(m.group(1)) or m.group(2) or "", value)
+
+
+def pagedserve_services(compose: dict) -> dict[str, dict]:
+    """The services `docker compose up` starts that run the pagedserve image (no profile)."""
+    return {
+        name: service
+        for name, service in compose["services"].items()
+        if "profiles" not in service and service.get("image", "").startswith("${PAGEDSERVE_IMAGE")
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+class LocalCompose:
+    """docker-compose.yml's pagedserve services as processes on this machine's loopback."""
+
+    def __init__(self, compose: dict, workdir: Path, shell: dict[str, str]):
+        self.services = pagedserve_services(compose)
+        self.shell = shell
+        self.workdir = workdir
+        self.volumes = {name: workdir / "volumes" / name for name in compose["volumes"]}
+        # Every port a service listens on in its container -> a free port here.
+        self.ports: dict[int, int] = {}
+        for service in self.services.values():
+            for port in service.get("expose", []):
+                self.ports[int(port)] = free_port()
+            for mapping in service.get("ports", []):
+                self.ports[int(interpolate(str(mapping), shell).rsplit(":", 1)[1])] = free_port()
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.completed: set[str] = set()
+
+    # --- the compose file's words in local terms ---
+    def mounts(self, name: str) -> dict[str, Path]:
+        """Container path -> the folder standing for its named volume."""
+        mounts = {}
+        for volume in self.services[name].get("volumes", []):
+            source, target = str(volume).split(":")[:2]
+            if source in self.volumes:
+                mounts[target] = self.volumes[source]
+        return mounts
+
+    def translate(self, name: str, text: str) -> str:
+        """A value of service `name` as it reads here: its mounts, loopback and the mapped ports."""
+        for target, folder in self.mounts(name).items():
+            text = re.sub(rf"^{re.escape(target)}(?=/|$)", str(folder), text)
+        hosts = {*self.services, "localhost", "0.0.0.0"}
+
+        def host_port(m: re.Match) -> str:
+            host, port = m.group(1), int(m.group(2))
+            if host in hosts and port in self.ports:
+                return f"{LOOPBACK}:{self.ports[port]}"
+            return m.group(0)
+
+        return _HOST_PORT.sub(host_port, text)
+
+    def argv(self, name: str, args: list) -> list[str]:
+        out: list[str] = []
+        for arg in (interpolate(str(a), self.shell) for a in args):
+            if out and out[-1] == "--host" and arg in ("0.0.0.0", "::"):
+                out.append(LOOPBACK)
+            elif out and out[-1] in ("--port", "--grpc-port") and int(arg) in self.ports:
+                out.append(str(self.ports[int(arg)]))
+            else:
+                out.append(self.translate(name, arg))
+        return out
+
+    def environment(self, name: str) -> dict[str, str]:
+        env = {}
+        for key, value in (self.services[name].get("environment") or {}).items():
+            if value is None:  # `VAR:` passes the shell's value when it has one
+                if key in self.shell:
+                    env[key] = self.shell[key]
+                continue
+            env[key] = self.translate(name, interpolate(str(value), self.shell))
+        return env
+
+    def healthcheck(self, name: str) -> list[str]:
+        test = self.services[name]["healthcheck"]["test"]
+        assert test[:2] == ["CMD", "pagedserve"], "exec form: no shell needed in the image"
+        return self.argv(name, test[2:])
+
+    # --- running them ---
+    def _run_env(self, name: str) -> dict[str, str]:
+        # NOTE: the test's own PAGEDSERVE_* variables stay out, as the shell's do in a container.
+        base = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
+        return {**base, **self.environment(name)}
+
+    def run_once(self, name: str) -> None:
+        command = cli_command(*self.argv(name, self.services[name]["command"]))
+        result = subprocess.run(command, env=self._run_env(name), capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"{name} failed:\n{result.stderr[-3000:]}"
+        self.completed.add(name)
+
+    def start(self, name: str) -> None:
+        log = (self.workdir / f"{name}.log").open("wb")
+        command = cli_command(*self.argv(name, self.services[name]["command"]))
+        self.processes[name] = subprocess.Popen(
+            command, env=self._run_env(name), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+
+    def healthy(self, name: str) -> bool:
+        command = cli_command(*self.healthcheck(name))
+        return subprocess.run(command, capture_output=True, timeout=60).returncode == 0
+
+    def wait_for_dependencies(self, name: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for dependency, condition in self.depends_on(name).items():
+            if condition == "service_completed_successfully":
+                assert dependency in self.completed, f"{name} needs {dependency} to have run"
+            elif condition == "service_started":
+                assert dependency in self.processes, f"{name} needs {dependency} started"
+            else:
+                assert condition == "service_healthy", condition
+                while not self.healthy(dependency):
+                    self.assert_running()
+                    assert time.monotonic() < deadline, f"{dependency} never healthy\n{self.logs()}"
+                    time.sleep(1.0)
+
+    def up(self) -> None:
+        """`docker compose up`: the one-shot services first, then the others as depends_on allows."""
+        one_shot = [n for n, s in self.services.items() if s.get("restart") == "no"]
+        for name in one_shot:
+            self.run_once(name)
+        waiting = [n for n in self.services if n not in one_shot]
+        while waiting:
+            ready = [n for n in waiting if set(self.depends_on(n)) <= {*self.completed, *self.processes}]
+            assert ready, f"depends_on forms a cycle among {waiting}"
+            # Compose starts services side by side: one that waits for another's health must not hold up
+            # those that wait for nothing more.
+            ready.sort(key=lambda n: "service_healthy" in self.depends_on(n).values())
+            self.wait_for_dependencies(ready[0])
+            self.start(ready[0])
+            waiting.remove(ready[0])
+
+    def depends_on(self, name: str) -> dict[str, str]:
+        """Each service `name` depends on -> the condition it waits for."""
+        return {d: spec["condition"] for d, spec in (self.services[name].get("depends_on") or {}).items()}
+
+    def assert_running(self) -> None:
+        for name, process in self.processes.items():
+            assert process.poll() is None, f"{name} exited with {process.returncode}\n{self.logs()}"
+
+    def down(self) -> None:
+        for process in self.processes.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}" for p in self.workdir.glob("*.log")
+        )
+
+    def url(self, name: str, port: int) -> str:
+        assert name in self.services
+        return f"http://{LOOPBACK}:{self.ports[port]}"
+
+    def address(self, port: int) -> str:
+        return f"{LOOPBACK}:{self.ports[port]}"
+
+
+def _warm_model_cache(local: LocalCompose, default_model_dir: Path) -> None:
+    """The model-cache volume already holds the converted default model, so model-init finds it.
+
+    NOTE: model-init still runs; only its ~20 s conversion is skipped (test_model_files covers the
+    conversion itself). Hard links where the file system allows, so nothing is copied."""
+    from pagedserve.model_files import converted_dir, default_gguf_path
+
+    cache = local.mounts("model-init")["/var/cache/pagedserve"]
+    target = converted_dir(default_gguf_path(), cache)
+
+    def link(source, destination):
+        try:
+            os.link(source, destination)
+        except OSError:
+            shutil.copy2(source, destination)
+
+    shutil.copytree(default_model_dir, target, copy_function=link)
 
 
 @pytest.fixture(scope="module")
@@ -47,214 +254,95 @@ def compose() -> dict:
 
 
 @pytest.fixture(scope="module")
-def services(compose) -> dict:
-    return compose["services"]
-
-
-def interpolate(value: str) -> str:
-    """${VAR:-default} -> default, as compose does with VAR unset."""
-    return _INTERPOLATION.sub(lambda m: m.group(2) or "", value)
-
-
-def environment(service: dict) -> dict[str, str | None]:
-    env = service.get("environment") or {}
-    if isinstance(env, list):
-        env = dict(item.split("=", 1) if "=" in item else (item, None) for item in env)
-    return {k: (interpolate(str(v)) if v is not None else None) for k, v in env.items()}
-
-
-@contextmanager
-def _capture_parser():
-    """Catch the ArgumentParser a config's from_args builds (GatewayConfig has no parser builder)."""
-    seen: list[argparse.ArgumentParser] = []
-    original = argparse.ArgumentParser.parse_args
-
-    def parse_args(self, *args, **kwargs):
-        seen.append(self)
-        return original(self, *args, **kwargs)
-
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_args):
-        yield seen
-
-
-def parser_for(subcommand: str) -> argparse.ArgumentParser:
-    if subcommand == "worker":
-        return worker_config.build_parser({})
-    if subcommand == "scheduler":
-        return service_config.build_parser({})
-    if subcommand == "gateway":
-        with _capture_parser() as seen:
-            GatewayConfig.from_args([], env={})
-        return seen[0]
-    if subcommand == "prepare-model":
-        return prepare_model.build_parser({})
-    if subcommand == "healthcheck":
-        return healthcheck.build_parser()
-    raise AssertionError(f"no parser known for `pagedserve {subcommand}`")
-
-
-def option_strings(parser: argparse.ArgumentParser) -> set[str]:
-    return {flag for action in parser._actions for flag in action.option_strings}
-
-
-def env_vars_read(subcommand: str) -> set[str]:
-    """PAGEDSERVE_* variables a subcommand's flags default from (--some-flag: PAGEDSERVE_SOME_FLAG)."""
-    flags = option_strings(parser_for(subcommand)) - {"-h", "--help"}
-    return {"PAGEDSERVE_" + f.lstrip("-").replace("-", "_").upper() for f in flags if f.startswith("--")}
-
-
-def check_command(argv: list[str]) -> argparse.Namespace:
-    """argv is `pagedserve <subcommand> ...`'s arguments: the subcommand exists and parses them all."""
-    subcommand, rest = argv[0], [interpolate(str(arg)) for arg in argv[1:]]
-    assert subcommand in SUBCOMMANDS, f"`pagedserve {subcommand}` is not a subcommand of pagedserve.cli"
-    parser = parser_for(subcommand)
-    known = option_strings(parser)
-    for arg in rest:
-        if arg.startswith("--"):
-            # Exact names only: argparse would also take an abbreviation that breaks when flags are added.
-            assert arg.split("=", 1)[0] in known, f"`pagedserve {subcommand}` has no flag {arg}"
+def deployed(compose, default_model_dir, tmp_path_factory) -> Iterator[LocalCompose]:
+    local = LocalCompose(compose, tmp_path_factory.mktemp("compose"), SHELL)
+    for folder in local.volumes.values():
+        folder.mkdir(parents=True)
+    _warm_model_cache(local, default_model_dir)
     try:
-        return parser.parse_args(rest)
-    except SystemExit as exc:
-        raise AssertionError(f"`pagedserve {subcommand}` refuses {rest}") from exc
+        local.up()
+        yield local
+    finally:
+        local.down()
 
 
-def healthcheck_argv(service: dict) -> list[str]:
-    test = service["healthcheck"]["test"]
-    assert test[0] == "CMD", "exec form: no shell needed in the image"
-    assert test[1] == "pagedserve", test
-    return test[2:]
+# --- docker compose up, without Docker -----------------------------------------------------------
 
 
-# --- compose: services and start-up -------------------------------------------------------------
+@pytest.mark.slow
+def test_the_compose_stack_answers_an_openai_request_through_the_gateway(deployed):
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not deployed.healthy("gateway"):
+        deployed.assert_running()
+        assert time.monotonic() < deadline, deployed.logs()
+        time.sleep(1.0)
+    url = deployed.url("gateway", 8000)
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 4}
+    refused = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 401, "the key from the shell protects the API"
+    headers = {"Authorization": f"Bearer {SHELL['PAGEDSERVE_API_KEY']}"}
+    response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 4
 
 
-def test_compose_defines_gateway_scheduler_workers_and_model_init(services):
-    assert set(PAGEDSERVE_SERVICES) <= set(services)
+@pytest.mark.slow
+def test_every_long_running_service_passes_its_own_healthcheck(deployed):
+    for name in deployed.processes:
+        assert deployed.healthy(name), f"{name}: {deployed.healthcheck(name)}\n{deployed.logs()}"
+    assert set(deployed.processes) == {"scheduler", "worker", "gateway"}
 
 
-def test_every_pagedserve_service_runs_a_real_subcommand_with_real_flags(services):
-    for name in PAGEDSERVE_SERVICES:
-        check_command(services[name]["command"])
-
-
-def test_every_long_running_service_has_a_healthcheck_that_probes_its_own_port(services):
-    for name in LONG_RUNNING:
-        service = services[name]
-        args = check_command(healthcheck_argv(service))
-        command = check_command(service["command"])
-        if args.grpc:
-            assert args.grpc == f"localhost:{command.port}", name
-        else:
-            assert args.http == f"http://localhost:{command.port}/health", name
-        assert "start_period" in service["healthcheck"], f"{name} loads a model before it is healthy"
-
-
-def test_grpc_healthchecks_ask_the_services_the_servers_register():
-    from pagedserve.v1 import worker_pb2
-
-    services = load_compose()["services"]
-    worker_check = check_command(healthcheck_argv(services["worker"]))
-    assert worker_check.service in ("", worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name)
-
-
-def test_workers_scale_without_fixed_names_or_host_ports(services):
-    worker = services["worker"]
-    assert "container_name" not in worker
-    assert "ports" not in worker, "a fixed host port makes a second replica fail to start"
-    assert "hostname" not in worker, "replicas advertise their own container hostname"
-
-
-def test_workers_register_with_the_scheduler_by_service_name_and_advertise_themselves(services):
-    worker = check_command(services["worker"]["command"])
-    scheduler = check_command(services["scheduler"]["command"])
-    assert worker.scheduler == f"scheduler:{scheduler.port}"
-    # A wildcard bind with no advertise address: each replica advertises its own hostname:port.
-    assert worker.host == "0.0.0.0" and worker.port != 0
-    assert worker.advertise_address is None
-    assert "PAGEDSERVE_ADVERTISE_ADDRESS" not in environment(services["worker"])
-
-
-def test_gateway_talks_to_the_scheduler_and_publishes_its_ports(services):
-    gateway = check_command(services["gateway"]["command"])
-    scheduler = check_command(services["scheduler"]["command"])
-    assert gateway.scheduler == f"scheduler:{scheduler.port}"
-    published = {interpolate(p).rsplit(":", 1)[1] for p in services["gateway"]["ports"]}
-    assert published == {str(gateway.port), str(gateway.grpc_port)}
-
-
-def test_model_cache_is_one_named_volume_mounted_by_every_service(compose, services):
-    assert CACHE_VOLUME in compose["volumes"]
-    for name in PAGEDSERVE_SERVICES:
-        mounts = dict(v.split(":")[:2] for v in services[name]["volumes"])
-        assert CACHE_VOLUME in mounts, f"{name} does not mount {CACHE_VOLUME}"
-        assert environment(services[name])["PAGEDSERVE_CACHE_DIR"] == mounts[CACHE_VOLUME]
-
-
-def test_model_is_prepared_once_before_anything_loads_it(services):
-    assert services["model-init"]["command"][0] == "prepare-model"
-    assert services["model-init"].get("restart", "no") == "no"
-    for name in LONG_RUNNING:
-        depends = services[name]["depends_on"]
-        assert depends["model-init"]["condition"] == "service_completed_successfully", name
-
-
-def test_start_order_avoids_waiting_on_a_scheduler_that_waits_for_workers(services):
-    # The scheduler is SERVING only with a registered worker: workers wait for it to start, the
-    # gateway for it to be healthy (so the stack can serve when the gateway is up).
-    assert services["worker"]["depends_on"]["scheduler"]["condition"] == "service_started"
-    assert services["gateway"]["depends_on"]["scheduler"]["condition"] == "service_healthy"
-    assert "worker" not in services["scheduler"].get("depends_on", {})
-
-
-def test_environment_variables_are_ones_the_services_read(services):
-    read = {name: env_vars_read(services[name]["command"][0]) for name in PAGEDSERVE_SERVICES}
-    read_anywhere = set().union(*read.values()) | {"PAGEDSERVE_CACHE_DIR"}
-    shared = set.intersection(*(set(environment(services[n])) for n in PAGEDSERVE_SERVICES))
-    for name in PAGEDSERVE_SERVICES:
-        for var in environment(services[name]):
-            if not var.startswith("PAGEDSERVE_"):
-                continue
-            allowed = read_anywhere if var in shared else read[name]
-            assert var in allowed, f"{name}: nothing reads {var}"
-
-
-def test_observability_profile_adds_a_collector_and_prometheus(services):
-    for name in ("otel-collector", "prometheus"):
-        assert services[name]["profiles"] == ["observability"]
-    # Default `docker compose up` starts no observability service.
-    for name in PAGEDSERVE_SERVICES:
-        assert "profiles" not in services[name]
-
-
-def test_traces_go_to_the_collector_when_enabled(services):
-    collector = yaml.safe_load((ROOT / "docker" / "otel-collector.yml").read_text())
-    grpc_endpoint = collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
-    for name in PAGEDSERVE_SERVICES:
-        env = environment(services[name])
-        assert env["OTEL_TRACES_EXPORTER"] == "none", "off unless the operator turns it on"
-        assert (
-            env["OTEL_EXPORTER_OTLP_ENDPOINT"] == f"http://otel-collector:{grpc_endpoint.rsplit(':', 1)[1]}"
+@pytest.mark.slow
+def test_the_scheduler_refuses_a_caller_without_the_cluster_token(deployed):
+    scheduler_port = int(deployed.services["scheduler"]["expose"][0])
+    address = deployed.address(scheduler_port)
+    token_file = deployed.environment("scheduler")["PAGEDSERVE_CLUSTER_TOKEN_FILE"]
+    assert Path(token_file).stat().st_mode & 0o077 == 0, "the token file is its owner's alone"
+    member = ClusterAuth.load(token_file, env={})
+    for auth in (NO_CLUSTER_AUTH, ClusterAuth("a-guess")):
+        with open_sync_channel(address, auth=auth) as channel, pytest.raises(grpc.RpcError) as info:
+            engine_pb2_grpc.EngineServiceStub(channel).GetStats(engine_pb2.GetStatsRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with open_sync_channel(address, auth=member) as channel:
+        stats = (
+            engine_pb2_grpc.EngineServiceStub(channel)
+            .GetStats(engine_pb2.GetStatsRequest(), timeout=10)
+            .stats
         )
-    assert "otlp" in collector["service"]["pipelines"]["traces"]["receivers"]
+    assert [w.healthy for w in stats.workers] == [True]
 
 
-def test_prometheus_scrapes_the_gateway_metrics(services):
-    gateway = check_command(services["gateway"]["command"])
-    config = yaml.safe_load((ROOT / "docker" / "prometheus.yml").read_text())
-    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    job = jobs["pagedserve-gateway"]
-    assert job.get("metrics_path", "/metrics") == "/metrics"
-    (sd,) = job["dns_sd_configs"]
-    assert sd["names"] == ["gateway"] and sd["port"] == gateway.port
+@pytest.mark.slow
+def test_cluster_init_keeps_the_token_the_services_already_hold(deployed):
+    token_file = Path(deployed.environment("scheduler")["PAGEDSERVE_CLUSTER_TOKEN_FILE"])
+    before = token_file.read_text()
+    deployed.run_once("cluster-init")
+    assert token_file.read_text() == before
 
 
-def test_gpu_override_moves_workers_to_the_cuda_image_and_reserves_a_gpu():
+# --- exposure -------------------------------------------------------------------------------------
+
+
+def test_only_the_gateway_is_published_and_on_loopback_unless_told_otherwise(compose):
+    for name, service in compose["services"].items():
+        published = [interpolate(str(p), {}) for p in service.get("ports", [])]
+        if name != "gateway" and "profiles" not in service:
+            assert not published, f"{name} must not be published"
+        for mapping in published:
+            assert mapping.startswith(f"{LOOPBACK}:"), f"{name} publishes {mapping} beyond loopback"
+    gateway = compose["services"]["gateway"]["ports"]
+    opened = [interpolate(str(p), {"PAGEDSERVE_PUBLISH_ADDRESS": "0.0.0.0"}) for p in gateway]
+    assert opened == ["0.0.0.0:8000:8000", "0.0.0.0:50051:50051"]
+
+
+def test_gpu_override_moves_every_pagedserve_service_to_the_cuda_image_and_reserves_a_gpu(compose):
     gpu = load_compose(GPU_COMPOSE_FILE)["services"]
-    assert set(gpu) <= set(load_compose()["services"])
-    worker = gpu["worker"]
-    assert worker["build"]["dockerfile"] == "docker/Dockerfile.cuda"
-    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    # A service left out would still build the CPU image.
+    assert set(gpu) == set(pagedserve_services(compose))
+    for service in gpu.values():
+        assert service["build"]["dockerfile"] == "docker/Dockerfile.cuda"
+    (device,) = gpu["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
 
 
@@ -298,6 +386,20 @@ def test_image_is_multi_stage_cached_non_root_and_installs_every_package(path):
         assert any(f"{folder}/".startswith(f"{c}/") for c in copied), (
             f"{path.name} misses the {folder}/ package folder"
         )
+
+
+@pytest.mark.parametrize("path", [CPU_DOCKERFILE, CUDA_DOCKERFILE], ids=["cpu", "cuda"])
+def test_image_gives_the_service_user_every_folder_compose_mounts_a_volume_on(path, compose):
+    # A fresh named volume takes the owner of the folder it is mounted on: root, unless the image made it.
+    text = path.read_text()
+    targets = {
+        str(v).split(":")[1] for s in pagedserve_services(compose).values() for v in s.get("volumes", [])
+    }
+    for target in targets:
+        assert re.search(rf"mkdir -p [^\n]*{re.escape(target)}\b", text), (
+            f"{path.name} does not create {target}"
+        )
+        assert re.search(rf"chown pagedserve:pagedserve [^\n]*{re.escape(target)}\b", text), target
 
 
 def test_cuda_image_brings_cupy_for_the_cuda_kernels():

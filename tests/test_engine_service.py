@@ -1,5 +1,6 @@
-"""The EngineService end to end: a real scheduler process and real worker processes on loopback,
-driven through the generated Engine stubs (no gateway).
+"""The Engine service end to end: a real scheduler process and real worker processes on loopback,
+driven through the generated Engine stubs (no gateway), with a cluster token: only callers that carry it
+get in.
 
 One scheduler and one worker are shared by the whole module; a second worker joins near the end and
 the last test kills one of them mid-stream.
@@ -12,7 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stack_testing import Stack, running
 
-from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from pagedserve.grpc_utils import NO_CLUSTER_AUTH, ClusterAuth, open_sync_channel
+from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +37,7 @@ def stack(default_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def channel(stack):
-    with grpc.insecure_channel(stack.engine_address) as channel:
+    with stack.engine_channel() as channel:
         yield channel
 
 
@@ -101,6 +103,65 @@ def test_health_is_serving_once_a_worker_is_registered(channel):
     for service in ("", "pagedserve.v1.EngineService"):
         response = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
         assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _refused(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value
+
+
+def _health(channel) -> int:
+    check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return check.status
+
+
+def _outsider_is_refused_everything_but_health(
+    stack, auth: ClusterAuth, prompt_ids, worker_address: str
+) -> None:
+    with open_sync_channel(stack.engine_address, auth=auth) as channel:
+        engine = engine_pb2_grpc.EngineServiceStub(channel)
+        intruder = engine_pb2.RegisterWorkerRequest(
+            worker_id="intruder", address="127.0.0.1:1", block_size=16
+        )
+        calls = {
+            "RegisterWorker": lambda: engine.RegisterWorker(intruder, timeout=10),
+            "GenerateTokens": lambda: list(
+                engine.GenerateTokens(_request(prompt_ids, "intruder", max_tokens=4), timeout=10)
+            ),
+            "Abort": lambda: engine.Abort(engine_pb2.AbortRequest(request_id="anyone"), timeout=10),
+            "GetStats": lambda: engine.GetStats(engine_pb2.GetStatsRequest(), timeout=10),
+        }
+        for name, call in calls.items():
+            error = _refused(call)
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED, name
+            assert "cluster token" in error.details(), name
+        assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+    with open_sync_channel(worker_address, auth=auth) as channel:
+        worker = worker_pb2_grpc.WorkerServiceStub(channel)
+        steps = worker.Steps(iter([worker_pb2.StepsRequest(plan=worker_pb2.StepPlan(step_id=1))]), timeout=10)
+        for call in (lambda: list(steps), lambda: worker.Reset(worker_pb2.ResetRequest(), timeout=10)):
+            error = _refused(call)
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "cluster token" in error.details()
+        assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_engine_and_worker_refuse_callers_without_the_cluster_token_but_answer_health(stack, prompt_ids):
+    worker_address = stack.engine_stats().workers[0].address
+    _outsider_is_refused_everything_but_health(stack, NO_CLUSTER_AUTH, prompt_ids, worker_address)
+    wrong = ClusterAuth("not-" + stack.cluster_token)
+    _outsider_is_refused_everything_but_health(stack, wrong, prompt_ids, worker_address)
+    # Nobody got in, and a member does.
+    (worker,) = stack.engine_stats().workers
+    assert worker.worker_id == "worker-0" and worker.healthy
+    with open_sync_channel(worker_address, auth=stack.client_auth) as channel:
+        info = (
+            worker_pb2_grpc.WorkerServiceStub(channel)
+            .GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=10)
+            .info
+        )
+    assert info.model == "SmolLM2-135M-Instruct"
 
 
 def test_engine_info_reports_the_model_and_its_special_tokens(engine, eos_ids):

@@ -1,4 +1,5 @@
-"""`pagedserve healthcheck` (container health checks) and `pagedserve prepare-model` (compose's model-init)."""
+"""`pagedserve healthcheck` (container health checks), `pagedserve prepare-model` (compose's model-init)
+and `pagedserve cluster-token` (compose's cluster-init)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pagedserve import healthcheck, prepare_model
+from pagedserve import cluster_token, healthcheck, prepare_model
 
 SERVICE = "pagedserve.v1.WorkerService"
 
@@ -113,3 +114,27 @@ def test_prepare_model_reads_its_settings_from_the_environment():
         {"PAGEDSERVE_MODEL": "m.gguf", "PAGEDSERVE_CACHE_DIR": "/c"}
     ).parse_args([])
     assert (args.model, args.cache_dir) == ("m.gguf", "/c")
+
+
+@pytest.fixture
+def no_token_logging_setup(monkeypatch):
+    monkeypatch.setattr(cluster_token, "configure_logging", lambda *args, **kwargs: None)
+
+
+@pytest.mark.usefixtures("no_token_logging_setup")
+def test_cluster_token_is_written_once_for_its_owner_alone_and_kept_after(tmp_path, capsys):
+    from pagedserve.grpc_utils import ClusterAuth
+
+    path = tmp_path / "secrets" / "cluster-token"
+    assert cluster_token.main(["--cluster-token-file", str(path)]) == 0
+    token = ClusterAuth.load(str(path), env={}).token
+    assert len(token) >= 32 and path.stat().st_mode & 0o777 == 0o600
+    assert cluster_token.main(["--cluster-token-file", str(path)]) == 0
+    assert ClusterAuth.load(str(path), env={}).token == token
+    assert token not in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("no_token_logging_setup")
+def test_cluster_token_needs_a_file(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_CLUSTER_TOKEN_FILE", raising=False)
+    assert cluster_token.main([]) == 2

@@ -1,10 +1,12 @@
-"""Security on a real stack: mutual TLS on every internal link (a plaintext client is refused), API
-keys compared in constant time with one prefix-cache partition per key, request limits with clear
-4xx errors; and model loading that never unpickles."""
+"""Security on a real stack: mutual TLS on every internal link (a plaintext client is refused), also as
+`pagedserve serve --internal-tls` sets it up; API keys compared in constant time with one prefix-cache
+partition per key, request limits with clear 4xx errors (and gRPC's own limit on message size); and
+model loading that never unpickles."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import grpc
@@ -14,7 +16,15 @@ from stack_testing import Stack, assert_openai_error, running
 
 from pagedserve.grpc_utils import TLSConfig, open_sync_channel
 from pagedserve.internal_tls import generate
-from pagedserve.v1 import engine_pb2, engine_pb2_grpc
+from pagedserve.v1 import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    text_generation_pb2,
+    text_generation_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 # Long enough for several full blocks (block size 16) of shared prefix.
@@ -127,6 +137,22 @@ def test_body_over_the_limit_is_413(stack):
     assert_openai_error(response, 413)
 
 
+@pytest.mark.slow
+def test_grpc_request_over_the_body_limit_is_refused_by_grpc_itself(stack):
+    # The public gRPC server takes messages up to --max-body-bytes (100000 here), as the HTTP API does.
+    key = (("authorization", f"Bearer {KEY_A}"),)
+    sampling = common_pb2.SamplingParams(max_tokens=2)
+    with grpc.insecure_channel(stack.grpc_address) as channel:
+        stub = text_generation_pb2_grpc.TextGenerationServiceStub(channel)
+        too_large = text_generation_pb2.GenerateRequest(prompt="x" * 100_001, sampling=sampling)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(too_large, metadata=key, timeout=30))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than max" in info.value.details()
+        small = text_generation_pb2.GenerateRequest(prompt="Hello", sampling=sampling)
+        assert list(stub.Generate(small, metadata=key, timeout=60))
+
+
 def test_api_keys_compare_in_constant_time_and_map_to_distinct_tenants():
     from pagedserve.gateway.auth import ApiKeys, combined_salt
 
@@ -158,16 +184,50 @@ def test_tls_flags_must_go_together(tmp_path: Path):
     assert json.dumps(TLSConfig().enabled) == "false"
 
 
-def test_launcher_internal_tls_gives_every_service_mutual_tls(tmp_path: Path):
-    from pagedserve.launcher import _child_args, build_parser
+def _stats(channel) -> engine_pb2.EngineStats:
+    return engine_pb2_grpc.EngineServiceStub(channel).GetStats(engine_pb2.GetStatsRequest(), timeout=5).stats
 
-    config = vars(build_parser().parse_args(["--workers", "2", "--internal-tls", "--shutdown-timeout", "7"]))
-    from pagedserve.launcher import LaunchConfig
 
-    certs = generate(tmp_path)
-    scheduler, workers, gateway = _child_args(LaunchConfig(**config), "/m", "127.0.0.1:1", 1, certs)
-    for args in (scheduler, *workers):
-        assert "--tls-require-client-cert" in args and str(certs.ca) in args
-    assert str(certs.cert) in gateway and "--tls-require-client-cert" not in gateway
-    assert scheduler[scheduler.index("--shutdown-timeout") + 1] == "7.0"
-    assert gateway[gateway.index("--shutdown-timeout") + 1] == "7.0"
+def _model_info(channel) -> worker_pb2.ModelInfo:
+    return (
+        worker_pb2_grpc.WorkerServiceStub(channel)
+        .GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=5)
+        .info
+    )
+
+
+def _refused(address: str, tls: TLSConfig, auth, call=_stats) -> grpc.RpcError:
+    with open_sync_channel(address, tls, auth=auth) as channel, pytest.raises(grpc.RpcError) as info:
+        call(channel)
+    return info.value
+
+
+@pytest.mark.slow
+def test_serve_with_internal_tls_serves_and_refuses_clients_without_a_certificate(
+    default_model_dir, tmp_path
+):
+    args = ["--internal-tls", "--dtype", "float32", "--num-blocks", "64", "--log-level", "warning"]
+    with running(Stack(default_model_dir, tmp_path, serve_args=args)) as stack:
+        # The banner names the throwaway CA's folder (the launcher's certificate and key are there).
+        folder = Path(re.search(r"certificates in (\S+)\)", stack.stdout_path.read_text()).group(1))
+        ca, cert, key = (str(folder / name) for name in ("ca.pem", "cert.pem", "key.pem"))
+        # End to end: the gateway reaches the scheduler, the scheduler its worker, over mutual TLS.
+        response = httpx.post(
+            f"{stack.http_url}/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=120
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 3
+        # Neither plaintext nor TLS without a client certificate gets past the handshake, token or not.
+        for tls in (TLSConfig(), TLSConfig(ca=ca)):
+            assert (
+                _refused(stack.engine_address, tls, stack.client_auth).code() == grpc.StatusCode.UNAVAILABLE
+            )
+        # A client with the launcher's certificate is a member.
+        stack.client_tls = TLSConfig(cert, key, ca)
+        (worker,) = stack.engine_stats().workers
+        assert worker.healthy
+        # The worker refuses them the same way.
+        for tls in (TLSConfig(), TLSConfig(ca=ca)):
+            refused = _refused(worker.address, tls, stack.client_auth, _model_info)
+            assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert not folder.exists(), "the throwaway CA goes with the stack"

@@ -86,6 +86,7 @@ class WorkerConfig(ServiceTLSFields):
 
     def __post_init__(self) -> None:
         self.tls  # noqa: B018 -- checks the TLS flags go together and the files exist
+        self.cluster_auth  # noqa: B018 -- checks the cluster token file exists
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.block_size <= 0:

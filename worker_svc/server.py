@@ -26,10 +26,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.errors import PagedServeError
 from pagedserve.grpc_utils import (
+    NO_CLUSTER_AUTH,
     PLAINTEXT,
-    SERVER_OPTIONS,
+    ClusterAuth,
     TLSConfig,
     add_health_and_reflection,
+    internal_server,
     listen,
     open_channel,
     set_serving,
@@ -343,9 +345,11 @@ class Registrar:
         initial_backoff: float = 0.5,
         max_backoff: float = 10.0,
         tls: TLSConfig = PLAINTEXT,
+        auth: ClusterAuth = NO_CLUSTER_AUTH,
     ):
         self.scheduler = scheduler
         self.tls = tls
+        self.auth = auth
         self.request = request
         self.initial_backoff = initial_backoff
         self.max_backoff = max_backoff
@@ -353,7 +357,7 @@ class Registrar:
         self.registered = asyncio.Event()  # set while the scheduler is known to hold us
 
     async def run(self) -> None:
-        async with open_channel(self.scheduler, self.tls) as channel:
+        async with open_channel(self.scheduler, self.tls, auth=self.auth) as channel:
             engine = engine_pb2_grpc.EngineServiceStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
             while True:
@@ -451,7 +455,7 @@ class WorkerServer:
         self.loaded = loaded
         self.max_register_backoff = max_register_backoff
         self.servicer = WorkerServicer(loaded.runner, loaded.info, executor)
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.server = internal_server(config.cluster_auth, config.tls)
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
         self.port = 0
@@ -494,7 +498,11 @@ class WorkerServer:
                 max_model_len=info.max_model_len,
             )
             self.registrar = Registrar(
-                self.config.scheduler, request, max_backoff=self.max_register_backoff, tls=self.config.tls
+                self.config.scheduler,
+                request,
+                max_backoff=self.max_register_backoff,
+                tls=self.config.tls,
+                auth=self.config.cluster_auth,
             )
             self._register_task = asyncio.create_task(self.registrar.run())
 
