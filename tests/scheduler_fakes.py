@@ -335,6 +335,17 @@ def check_invariants(scheduler: Scheduler) -> None:
                 # NOTE: whoever holds a node holds its ancestors, so nothing below is held.
                 assert all(not c.referenced for c in node.children.values())
         assert cached_unref == cache.num_evictable
+        # Per-salt state is bounded: a root lives while it has blocks, and there are at most the cap.
+        roots = cache.roots()
+        assert len(roots) <= scheduler.config.max_cache_salts
+        assert all(
+            r.alive and r.parent is None and r.children and cache.find_root(r.salt) is r for r in roots
+        )
+        for node in cache.cached_nodes():
+            top = node
+            while top.parent is not None:
+                top = top.parent
+            assert top.alive and cache.find_root(top.salt) is top, "a cached block under a dead root"
     in_use = sum(1 for c in pool.ref_counts if c > 0)
     assert len(free) + cached_unref + in_use == pool.num_blocks
     assert pool.num_used_blocks == in_use
