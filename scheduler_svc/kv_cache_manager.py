@@ -90,6 +90,7 @@ class KVCacheManager:
         self.pool.incref(req.block_table)
         req.num_computed_tokens = hit.num_tokens
         req.num_cached_blocks = len(hit.nodes)
+        req.inserted = []
         if self.cache is not None:
             req.cache_node = hit.nodes[-1] if hit.nodes else AT_ROOT
             if hit.nodes or hit.partial is not None:
@@ -155,6 +156,7 @@ class KVCacheManager:
                 req.cache_node = None
                 req.num_cached_blocks = i
                 return
+            req.inserted.append(node)
             i += 1
         req.cache_node = node
         req.num_cached_blocks = i
@@ -169,6 +171,12 @@ class KVCacheManager:
                 return None
             self.pool.reclaim(cache.drop_root(victim))
         return cache.root(salt)
+
+    def uncache_since(self, salt: str, step: int) -> None:
+        """Forget the salt's cached blocks that plans of step `step` or later compute and that no block
+        table holds, with everything under them: their K/V may never have been computed. They become free."""
+        if self.cache is not None:
+            self.pool.reclaim(self.cache.drop_since(salt, step))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, its blocks becoming plain free blocks (as vLLM's

@@ -110,6 +110,41 @@ class PrefixCache:
         blocks = self._drop_below(root)
         return blocks
 
+    def drop_subtree(self, node: CacheNode) -> list[int]:
+        """Forget a (non-root) node and every node under it, none referenced; returns their blocks, now
+        uncached. Its parent may become an evictable leaf, or a root without blocks, which goes away."""
+        parent = node.parent
+        assert parent is not None and node.alive and parent.children.get(node.key) is node
+        del parent.children[node.key]
+        blocks = self._drop_below(node)
+        assert not node.referenced, "a node a request holds is dropped"
+        node.alive = False
+        self._node_of_block[node.block_id] = None
+        blocks.append(node.block_id)
+        self._num_cached -= 1
+        self.num_evictable -= 1
+        if parent.parent is None:
+            if not parent.children:
+                del self._roots[parent.salt]
+                parent.alive = False
+        elif not parent.referenced and not parent.children:
+            self._push(parent)
+        return blocks
+
+    def drop_since(self, salt: str, step: int) -> list[int]:
+        """Forget every unreferenced node of the salt computed by a plan of step `step` or later, with
+        everything under it (all unreferenced: holders of a node hold its ancestors); returns their blocks."""
+        root = self._roots.get(salt)
+        blocks: list[int] = []
+        stack = list(root.children.values()) if root is not None else []
+        while stack:
+            node = stack.pop()
+            if node.step >= step and not node.referenced:
+                blocks += self.drop_subtree(node)
+            else:
+                stack.extend(node.children.values())
+        return blocks
+
     def _drop_below(self, top: CacheNode) -> list[int]:
         blocks = []
         stack = list(top.children.values())
