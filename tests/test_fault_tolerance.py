@@ -6,6 +6,7 @@ The tests run in order on one stack; each leaves it serving for the next.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import threading
@@ -124,6 +125,31 @@ def test_restarted_worker_registers_again_and_takes_new_work(stack, client, refe
     assert [r[0] for r in results] == [r[0] for r in reference * 2]
     after = {w.worker_id: w.num_steps for w in stack.engine_stats().workers}
     assert after[dead] > before.get(dead, 0), (before, after)
+    stack.wait_idle()
+
+
+def test_sigterm_drains_a_worker_its_streams_continue_elsewhere_with_fault_free_text(
+    stack, client, reference
+):
+    with ThreadPoolExecutor(len(reference)) as pool:
+        futures = [pool.submit(stream_completion, client, b) for b in _bodies()]
+        leaving = _busy_worker(stack)
+        os.killpg(stack.workers[leaving].pid, signal.SIGTERM)
+        results = [f.result(timeout=120) for f in futures]
+    for (text, _, finish), (ref_text, _, ref_finish) in zip(results, reference, strict=True):
+        assert text == ref_text  # nothing lost or repeated across the move
+        assert finish == ref_finish == "length"
+    # It leaves once the scheduler has moved its requests and closed its stream, not at its grace's end.
+    assert stack.workers[leaving].wait(60) == 0
+    assert leaving not in {w.worker_id for w in stack.engine_stats().workers}
+    drained = [
+        json.loads(line)
+        for line in (stack.log_dir / "scheduler.log").read_text().splitlines()
+        if '"worker_drained"' in line
+    ]
+    assert any(e["worker_id"] == leaving and e["requests_moved"] > 0 for e in drained), drained
+    stack.start_worker(leaving)
+    stack.wait_workers(2, timeout=120, including=leaving)
     stack.wait_idle()
 
 
