@@ -166,7 +166,8 @@ def _near_pool_workload(draw):
         block_size=BS,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
-        max_model_len=num_blocks * BS,
+        # NOTE: longer than the pool holds, so that the pool, not the context length, refuses the largest.
+        max_model_len=2 * num_blocks * BS,
         enable_prefix_caching=draw(st.booleans()),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         max_cache_salts=draw(st.sampled_from([1, 4])),
