@@ -335,7 +335,10 @@ class LLM:
         idle_steps = 0
         while live:
             out = scheduler.schedule()
-            result = runner.execute(builder.build(out).plan)
+            plan = builder.build(out).plan
+            if failures := scheduler.take_failures():
+                raise RuntimeError(failures[0].message)
+            result = runner.execute(plan)
             now = time.perf_counter()
             if not out.scheduled:
                 idle_steps += 1
@@ -343,7 +346,14 @@ class LLM:
                 assert idle_steps < 2 or out.finished, "the scheduler scheduled nothing with requests live"
             else:
                 idle_steps = 0
-            for ro in scheduler.update_from_output(out, result):
+            # NOTE: every request was checked before it came in, so one the core fails alone, or the
+            # runner refuses, means a bug: the call stops (its requests are aborted) and says which.
+            if result.refused_slots:
+                raise RuntimeError(f"the runner refused a request: {result.refused_messages[0]}")
+            outputs = scheduler.update_from_output(out, result)
+            if failures := scheduler.take_failures():
+                raise RuntimeError(failures[0].message)
+            for ro in outputs:
                 t = tracked.get(ro.request_id)
                 if t is None or ro.request_id not in live:
                     continue

@@ -86,6 +86,12 @@ class BlockPool:
                 else:
                     self._free.append(block)
 
+    def reclaim(self, blocks: Iterable[int]) -> None:
+        """Cached blocks the prefix cache let go of (none referenced) become plain free blocks."""
+        for block in blocks:
+            assert self.ref_counts[block] == 0 and not self.evictor.is_cached(block)
+            self._free.append(block)
+
     def evict_all(self) -> int:
         """Evict every evictable cached block into the free list; return how many."""
         n = 0

@@ -25,6 +25,9 @@ class SchedulerConfig:
     # Split a prompt longer than the step's remaining budget into chunks over several steps;
     # off, a prompt is computed in one step (and must fit max_num_batched_tokens).
     enable_chunked_prefill: bool = True
+    # Most cache salts with cached blocks (prefix-trie roots); a new one past it evicts the least
+    # recently used salt whose blocks no request holds, or runs without prefix caching if none can go.
+    max_cache_salts: int = 1024
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -33,5 +36,7 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs, max_num_batched_tokens must be positive, max_model_len >= 2")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs (one token each)")
+        if self.max_cache_salts < 1:
+            raise ValueError("max_cache_salts must be positive")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown policy {self.policy!r}")

@@ -1,9 +1,15 @@
 """The engine: the registered workers, the live request streams, routing, and worker failure.
 
 Each registered worker gets a `WorkerEngine` (worker_loop.py) that runs its step loop; each client
-request is a `RequestStream` (request_stream.py). When a worker's stream breaks, its requests go back
-to the router with what their clients have already been sent and are recomputed on a surviving worker;
-with no healthy worker left they wait (bounded) for one to register.
+request is a `RequestStream` (request_stream.py). When a worker's stream breaks (or a step outlives its
+deadline), its requests go back to the router with what their clients have already been sent and are
+recomputed on a surviving worker; with no healthy worker left they wait (bounded) for one to register.
+A request that was in a step in flight at more than `max_requeues` failures fails instead: it is the
+likeliest cause. A worker that does not come back within `worker_retire_timeout` is forgotten; one
+that drains (it is leaving) hands its requests over the same way, without blame.
+
+Whatever reaches the engine is checked where it enters (submit, with pagedserve.validation), and one
+request's failure inside a worker's core or on the worker fails that request alone.
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ from pagedserve.logging import get_logger
 from pagedserve.scheduler_svc.metrics import EngineMetrics
 from pagedserve.scheduler_svc.request_stream import END, RequestStream
 from pagedserve.scheduler_svc.router import choose_worker
-from pagedserve.scheduler_svc.scheduler import RequestOutput, Scheduler, SchedulerOutput
+from pagedserve.scheduler_svc.scheduler import RequestFailure, RequestOutput, Scheduler, SchedulerOutput
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
 from pagedserve.scheduler_svc.worker_loop import WorkerEngine
 from pagedserve.v1 import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
+from pagedserve.validation import check_max_tokens, check_prompt, check_sampling, check_text
 
 log = get_logger("pagedserve.scheduler.engine")
 
@@ -64,6 +71,8 @@ class Engine:
         self._reconnects: dict[str, asyncio.Task] = {}
         # Set by drain() (SIGTERM): new requests are refused, live ones run to their end.
         self.draining = False
+        # Monotonic seconds when a step last completed, or when work became pending after none was.
+        self._progress_at = time.monotonic()
 
     # --- workers ---
     def effective_max_model_len(self) -> int:
@@ -71,7 +80,8 @@ class Engine:
         return min((w.core_config.max_model_len for w in self.healthy_workers()), default=self.max_model_len)
 
     def healthy_workers(self) -> list[WorkerEngine]:
-        return [w for w in self.workers.values() if w.healthy]
+        """The workers that take work: their stream is up and they are not leaving."""
+        return [w for w in self.workers.values() if w.healthy and not w.draining]
 
     async def register_worker(
         self, reg: engine_pb2.RegisterWorkerRequest
@@ -89,7 +99,12 @@ class Engine:
         if reg.model and reg.model != self.model:
             return refuse(f"model {reg.model!r} differs from the scheduler's {self.model!r}")
         existing = self.workers.get(reg.worker_id)
-        if existing is not None and existing.healthy and existing.address == reg.address:
+        if (
+            existing is not None
+            and existing.healthy
+            and not existing.draining
+            and existing.address == reg.address
+        ):
             # NOTE: the same live process announcing itself again (it lost sight of us for a while);
             # its state matches ours, so there is nothing to reset.
             log.info("worker_reregistered", worker_id=reg.worker_id, address=reg.address)
@@ -127,35 +142,60 @@ class Engine:
         return engine_pb2.RegisterWorkerResponse(accepted=True)
 
     async def _retire(self, worker: WorkerEngine) -> None:
+        """Forget the worker: close it, drop it from the workers (and so from Stats), requeue its requests."""
         task = self._reconnects.pop(worker.worker_id, None)
-        if task is not None:
+        if task is not None and task is not asyncio.current_task():
             task.cancel()
-        self.workers.pop(worker.worker_id, None)
+        if self.workers.get(worker.worker_id) is worker:
+            del self.workers[worker.worker_id]
         streams = worker.streams()
         self._retire_counters(worker)
+        worker.reset_core()
         await worker.close()
-        worker.routes.clear()
+        worker.drained.set()
+        self._health_changed()
         self._requeue(streams)
 
-    def on_worker_failed(self, worker: WorkerEngine) -> None:
-        """The worker's stream broke: requeue its requests elsewhere and try to get it back."""
+    def on_worker_failed(self, worker: WorkerEngine, reason: str) -> None:
+        """The worker's stream broke or a step outlived its deadline: requeue its requests elsewhere
+        (blaming those that were in a step in flight) and try to get it back."""
         worker.healthy = False
+        blamed = set() if worker.draining else worker.in_flight_request_ids()
         streams = worker.streams()
         self._retire_counters(worker)
         worker.reset_core()
         self._health_changed()
-        self._requeue(streams)
-        if not worker.closed:
+        self._requeue(streams, blamed, reason)
+        if worker.draining:
+            # NOTE: it was leaving anyway (its grace period may have run out): nothing to get back.
+            self._reconnects[worker.worker_id] = asyncio.create_task(self._retire(worker))
+        elif not worker.closed:
             self._reconnects[worker.worker_id] = asyncio.create_task(self._reconnect(worker))
 
     async def _reconnect(self, worker: WorkerEngine) -> None:
-        """Reset the worker until it answers (a transient outage), then give it work again. A
-        restarted worker process re-registers instead, which replaces this one."""
+        """Reset the worker until it answers (a transient outage), then give it work again; retire it if
+        it has not answered within worker_retire_timeout. A restarted worker process re-registers
+        instead, which replaces this one."""
+        loop = asyncio.get_running_loop()
+        retire_at = loop.time() + self.config.worker_retire_timeout
         backoff = 0.5
         while not worker.closed:
-            await asyncio.sleep(backoff)
+            left = retire_at - loop.time()
+            if left <= 0:
+                log.warning(
+                    "worker_retired",
+                    worker_id=worker.worker_id,
+                    address=worker.address,
+                    reason=f"it has not come back within {self.config.worker_retire_timeout:g} s",
+                )
+                self._reconnects.pop(worker.worker_id, None)
+                await self._retire(worker)
+                return
+            await asyncio.sleep(min(backoff, left))
             try:
-                info = (await worker.stub.Reset(worker_pb2.ResetRequest(), timeout=5.0)).info
+                info = (
+                    await worker.stub.Reset(worker_pb2.ResetRequest(), timeout=max(min(5.0, left), 0.1))
+                ).info
             except grpc.RpcError:
                 backoff = min(backoff * 2, 10.0)
                 continue
@@ -170,16 +210,42 @@ class Engine:
             self._place_pending()
             return
 
-    def _requeue(self, streams: list[RequestStream]) -> None:
+    def _requeue(
+        self, streams: list[RequestStream], blamed: set[str] = frozenset(), reason: str = ""
+    ) -> None:
+        """Place the streams again (on a surviving worker, by recomputation). A stream that was in a step in
+        flight at this failure (its id in blamed) counts it, and fails past max_requeues."""
+        limit = self.config.max_requeues
         for stream in streams:
             stream.worker = None
-            if not stream.done:
-                log.info(
-                    "request_requeued",
-                    request_id=stream.request_id,
-                    tokens_streamed=[len(s.token_ids) for s in stream.sequences],
-                )
-                self.place(stream)
+            if stream.done:
+                continue
+            if stream.request_id in blamed:
+                stream.num_failures += 1
+                stream.last_failure = reason
+                if stream.num_failures > limit:
+                    log.warning(
+                        "request_failed_on_workers",
+                        request_id=stream.request_id,
+                        failures=stream.num_failures,
+                        last_failure=reason,
+                    )
+                    self._fail(
+                        stream,
+                        PagedServeError(
+                            f"request {stream.request_id!r} failed: the worker computing it failed "
+                            f"{stream.num_failures} times, more than the {limit} requeues allowed "
+                            f"(--max-requeues); the last failure: {reason}"
+                        ),
+                    )
+                    continue
+            log.info(
+                "request_requeued",
+                request_id=stream.request_id,
+                tokens_streamed=[len(s.token_ids) for s in stream.sequences],
+                failures=stream.num_failures,
+            )
+            self.place(stream)
 
     def _retire_counters(self, worker: WorkerEngine) -> None:
         for key, value in _core_counters(worker.scheduler).items():
@@ -188,6 +254,31 @@ class Engine:
     def _health_changed(self) -> None:
         if self.on_health_change is not None:
             self.on_health_change(bool(self.healthy_workers()))
+
+    async def drain_worker(self, worker_id: str, address: str = "") -> engine_pb2.DrainWorkerResponse:
+        """The worker is leaving: route nothing more to it, let its steps in flight finish, move its requests
+        to the other workers by recomputation (no blame), close its stream; returns when that is done."""
+        worker = self.workers.get(worker_id)
+        if worker is None or (address and worker.address != address):
+            return engine_pb2.DrainWorkerResponse(drained=False)
+        if not worker.draining:
+            worker.draining = True
+            log.info(
+                "worker_draining", worker_id=worker_id, address=worker.address, requests=len(worker.routes)
+            )
+            self._health_changed()
+            if worker.healthy and worker.task is not None and not worker.task.done():
+                worker.wakeup.set()  # the loop ends once its steps in flight are back
+            else:
+                await self._retire(worker)  # failed and not back: its requests have moved already
+        await worker.drained.wait()
+        return engine_pb2.DrainWorkerResponse(drained=True, num_requests_moved=worker.num_moved)
+
+    async def on_worker_drained(self, worker: WorkerEngine) -> None:
+        """The draining worker's loop ended with nothing in flight: hand its requests over, forget it."""
+        worker.num_moved = sum(1 for stream in worker.streams() if not stream.done)
+        log.info("worker_drained", worker_id=worker.worker_id, requests_moved=worker.num_moved)
+        await self._retire(worker)
 
     async def drain(self, timeout: float) -> bool:
         """Refuse new requests and wait up to timeout seconds for the live ones to finish; True if
@@ -213,47 +304,65 @@ class Engine:
         self._validate(msg)
         if msg.request_id in self.streams:
             raise InvalidRequestError(f"request id {msg.request_id!r} is already live", param="request_id")
-        if self.num_waiting() >= self.config.max_queued_requests:
-            raise OverloadedError(
-                f"the waiting queue is full ({self.config.max_queued_requests} requests); retry later"
-            )
         stream = RequestStream(msg, span)
+        self._check_queue(stream)
+        if not self.streams:
+            self._progress_at = time.monotonic()  # work is pending from now on
         self.place(stream)
         self.streams[msg.request_id] = stream
         return stream
 
     def _validate(self, msg: engine_pb2.GenerateTokensRequest) -> None:
+        """What every way in checks (pagedserve.validation), against this engine's vocabulary and the
+        context length its workers serve."""
+        limits = self.config.limits
+        check_text(msg.request_id, max_chars=limits.max_request_id_chars, param="request_id")
         if not msg.request_id:
             raise InvalidRequestError("request_id is required", param="request_id")
-        prompt_len = len(msg.prompt_token_ids)
+        check_text(msg.cache_salt, max_chars=limits.max_cache_salt_chars, param="cache_salt")
+        vocab_size = self.vocab_size or None
         max_model_len = self.effective_max_model_len()
-        if prompt_len == 0:
-            raise InvalidRequestError("the prompt must have at least one token", param="prompt")
-        if self.vocab_size and max(msg.prompt_token_ids) >= self.vocab_size:
-            raise InvalidRequestError(
-                f"prompt token id {max(msg.prompt_token_ids)} is out of the vocabulary (size {self.vocab_size})",
-                param="prompt",
+        check_prompt(msg.prompt_token_ids, vocab_size=vocab_size, max_model_len=max_model_len)
+        check_sampling(msg.sampling, limits=limits, vocab_size=vocab_size)
+        check_max_tokens(len(msg.prompt_token_ids), msg.sampling, max_model_len=max_model_len)
+
+    def _check_queue(self, stream: RequestStream) -> None:
+        """Refuse (RESOURCE_EXHAUSTED) a request that would take the waiting queue past its bounds, in
+        sequences or in tokens. NOTE: a request alone in the queue always gets in, so that one larger
+        than a bound is not refused for good (the KV pool's own check is the place for that)."""
+        seqs, tokens = stream.weight(self.effective_max_model_len())
+        queued_seqs, queued_tokens = self.queued()
+        cfg = self.config
+        if queued_seqs and queued_seqs + seqs > cfg.max_queued_requests:
+            raise OverloadedError(
+                f"the waiting queue is full ({queued_seqs} sequences waiting, at most "
+                f"{cfg.max_queued_requests}); retry later"
             )
-        if prompt_len >= max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {prompt_len} tokens; this model's context length is {max_model_len} "
-                "and at least one token must be generated",
-                param="prompt",
+        if queued_tokens and queued_tokens + tokens > cfg.max_queued_tokens:
+            raise OverloadedError(
+                f"the waiting queue is full ({queued_tokens} tokens of prompts and max_tokens waiting, at most "
+                f"{cfg.max_queued_tokens}); retry later"
             )
-        sp = msg.sampling
-        if sp.HasField("max_tokens"):
-            if sp.max_tokens < 1:
-                raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
-            if prompt_len + sp.max_tokens > max_model_len:
-                raise InvalidRequestError(
-                    f"prompt ({prompt_len} tokens) plus max_tokens ({sp.max_tokens}) exceeds this model's "
-                    f"context length of {max_model_len} tokens",
-                    param="max_tokens",
-                )
 
     def place(self, stream: RequestStream) -> None:
-        """Hand the stream to the best healthy worker, or park it until one registers."""
-        worker = choose_worker(self.healthy_workers(), stream.msg.prompt_token_ids, stream.msg.cache_salt)
+        """Hand the stream to the best healthy worker whose KV pool can hold it, or park it until one
+        registers. A stream no healthy worker's pool can ever hold is refused (a new one) or failed."""
+        healthy = self.healthy_workers()
+        fitting = [w for w in healthy if w.refusal(stream) is None]
+        if healthy and not fitting:
+            largest = max(healthy, key=lambda w: w.core_config.num_blocks)
+            sp = stream.msg.sampling
+            param = "max_tokens" if sp.HasField("max_tokens") else "prompt"
+            if stream.n > 1 and stream.is_fresh():
+                param = "n"
+            error = InvalidRequestError(
+                f"request {stream.request_id!r}: {largest.refusal(stream)}", param=param
+            )
+            if stream.request_id not in self.streams:
+                raise error  # a new request: the client hears why
+            self._fail(stream, error)
+            return
+        worker = choose_worker(fitting, stream.msg.prompt_token_ids, stream.msg.cache_salt)
         if worker is None:
             self.pending.append(stream)
             if stream.wait_timer is None:
@@ -346,6 +455,28 @@ class Engine:
             stream.span.set_attribute("finish_reason", reason)
 
     # --- step results ---
+    def on_progress(self) -> None:
+        """A step's result came back (tokens advanced)."""
+        self._progress_at = time.monotonic()
+
+    def on_requests_failed(self, worker: WorkerEngine, failures: list[RequestFailure]) -> None:
+        """Requests a worker's core failed alone (an exception in their part of a step, or the worker
+        refused them): their clients hear why; the worker goes on. Those it gave back (retry: they may
+        have read what a failed one never computed) are recomputed, as after a worker failure."""
+        recompute = []
+        for failure in failures:
+            stream = worker.routes.get(failure.request_id)
+            if failure.retry:
+                log.info("request_recomputed", request_id=failure.request_id, reason=failure.message)
+                if stream is not None and not stream.done:
+                    worker.forget(stream)  # the core has let go of it already
+                    recompute.append(stream)
+                continue
+            log.warning("request_failed", request_id=failure.request_id, error=failure.message)
+            if stream is not None and not stream.done:
+                self._fail(stream, PagedServeError(failure.message))
+        self._requeue(recompute)
+
     def on_scheduled(self, worker: WorkerEngine, output: SchedulerOutput) -> None:
         """A plan went out: requests computed for the first time stop counting as queued."""
         now = time.monotonic()
@@ -370,42 +501,48 @@ class Engine:
             stream = worker.routes.get(out.request_id)
             if stream is None or stream.done:
                 continue  # aborted while its plan was in flight
-            index = out.index
-            seq = stream.sequences[index]
-            if seq.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                continue
-            if stream.cached_prompt_tokens < 0:
-                stream.cached_prompt_tokens = out.num_cached_tokens
-            token_ids = list(out.new_token_ids)
-            message = engine_pb2.GenerateTokensResponse(
-                request_id=stream.request_id, index=index, token_ids=token_ids
-            )
-            if token_ids:
-                if all(s.first_token_time is None for s in stream.sequences):
-                    self.metrics.prompt_tokens += len(stream.msg.prompt_token_ids)
-                self.metrics.record_tokens(
-                    len(token_ids), now, seq.first_token_time, seq.last_token_time, stream.arrival
+            # NOTE: one request's bookkeeping failing fails that request alone (a try costs nothing until it
+            # catches).
+            try:
+                index = out.index
+                seq = stream.sequences[index]
+                if seq.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    continue
+                if stream.cached_prompt_tokens < 0:
+                    stream.cached_prompt_tokens = out.num_cached_tokens
+                token_ids = list(out.new_token_ids)
+                message = engine_pb2.GenerateTokensResponse(
+                    request_id=stream.request_id, index=index, token_ids=token_ids
                 )
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                seq.last_token_time = now
-                seq.token_ids.extend(token_ids)
-            if out.logprobs:
-                message.logprobs.extend(out.logprobs)
-            if not stream.prompt_logprobs_sent and stream.msg.sampling.HasField("prompt_logprobs"):
-                message.prompt_logprobs.extend(stream.prompt_logprobs)
-                stream.prompt_logprobs_sent = True
-            if out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                seq.finish_reason = out.finish_reason
-                message.finish_reason = out.finish_reason
-                if out.stop_token_id is not None:
-                    message.stop_token_id = out.stop_token_id
+                if token_ids:
+                    if all(s.first_token_time is None for s in stream.sequences):
+                        self.metrics.prompt_tokens += len(stream.msg.prompt_token_ids)
+                    self.metrics.record_tokens(
+                        len(token_ids), now, seq.first_token_time, seq.last_token_time, stream.arrival
+                    )
+                    if seq.first_token_time is None:
+                        seq.first_token_time = now
+                    seq.last_token_time = now
+                    seq.token_ids.extend(token_ids)
+                if out.logprobs:
+                    message.logprobs.extend(out.logprobs)
+                if not stream.prompt_logprobs_sent and stream.msg.sampling.HasField("prompt_logprobs"):
+                    message.prompt_logprobs.extend(stream.prompt_logprobs)
+                    stream.prompt_logprobs_sent = True
+                if out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    seq.finish_reason = out.finish_reason
+                    message.finish_reason = out.finish_reason
+                    if out.stop_token_id is not None:
+                        message.stop_token_id = out.stop_token_id
+                    if stream.num_unfinished == 0:
+                        message.usage.CopyFrom(stream.usage())
+                stream.queue.put_nowait(message)
                 if stream.num_unfinished == 0:
-                    message.usage.CopyFrom(stream.usage())
-            stream.queue.put_nowait(message)
-            if stream.num_unfinished == 0:
-                reasons = [s.finish_reason for s in stream.sequences]
-                self._finish(stream, FINISH_NAMES[max(reasons, key=_finish_rank)], now)
+                    reasons = [s.finish_reason for s in stream.sequences]
+                    self._finish(stream, FINISH_NAMES[max(reasons, key=_finish_rank)], now)
+            except Exception as error:
+                log.exception("request_delivery_failed", request_id=out.request_id)
+                self._fail(stream, PagedServeError(f"request {out.request_id!r} failed: {error!r}"))
 
     def _collect_prompt_logprobs(self, worker: WorkerEngine, result: worker_pb2.StepResult) -> None:
         slots = [entry.slot for entry in result.prompt_logprobs]
@@ -425,8 +562,20 @@ class Engine:
                 )
 
     # --- stats ---
-    def num_waiting(self) -> int:
-        return len(self.pending) + sum(len(w.scheduler.waiting) for w in self.healthy_workers())
+    def queued(self) -> tuple[int, int]:
+        """(sequences, tokens) waiting over every worker and for a worker: what the queue bounds weigh."""
+        seqs = sum(w.scheduler.num_waiting_seqs for w in self.workers.values())
+        tokens = sum(w.scheduler.num_waiting_tokens for w in self.workers.values())
+        max_model_len = self.effective_max_model_len()
+        for stream in self.pending:
+            stream_seqs, stream_tokens = stream.weight(max_model_len)
+            seqs += stream_seqs
+            tokens += stream_tokens
+        return seqs, tokens
+
+    def seconds_without_progress(self) -> float:
+        """Seconds since a step last completed while requests are live; 0 when none is."""
+        return time.monotonic() - self._progress_at if self.streams else 0.0
 
     def stats(self) -> engine_pb2.EngineStats:
         stats = engine_pb2.EngineStats()
@@ -471,6 +620,7 @@ class Engine:
         return stats
 
     def info(self) -> engine_pb2.EngineInfo:
+        idle_for = self.seconds_without_progress()
         return engine_pb2.EngineInfo(
             model=self.model,
             max_model_len=self.effective_max_model_len(),
@@ -479,6 +629,8 @@ class Engine:
             block_size=self.config.block_size,
             num_healthy_workers=len(self.healthy_workers()),
             max_queued_requests=self.config.max_queued_requests,
+            stalled=idle_for > self.config.progress_deadline,
+            seconds_without_progress=idle_for,
         )
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .block_pool import BlockPool
 from .config import SchedulerConfig
-from .prefix_cache import CacheNode, PrefixCache
+from .prefix_cache import AT_ROOT, CacheNode, PrefixCache
 from .request import Request
 
 
@@ -49,6 +49,7 @@ class KVCacheManager:
             PrefixCache(config.num_blocks, config.block_size) if config.enable_prefix_caching else None
         )
         self.pool = BlockPool(config.num_blocks, self.cache)
+        self.max_cache_salts = config.max_cache_salts
 
     @property
     def num_free_blocks(self) -> int:
@@ -65,7 +66,9 @@ class KVCacheManager:
         tokens = req.token_ids
         nodes = self.cache.match(req.cache_salt, tokens, (len(tokens) - 1) // bs)
         start = len(nodes) * bs
-        parent = nodes[-1] if nodes else self.cache.root(req.cache_salt)
+        parent = nodes[-1] if nodes else self.cache.find_root(req.cache_salt)
+        if parent is None:
+            return PrefixHit([])
         partial, n = self.cache.match_partial(
             parent, tokens[start : start + bs], len(tokens) - 1 - start, step
         )
@@ -87,8 +90,11 @@ class KVCacheManager:
         self.pool.incref(req.block_table)
         req.num_computed_tokens = hit.num_tokens
         req.num_cached_blocks = len(hit.nodes)
+        req.inserted = []
         if self.cache is not None:
-            req.cache_node = hit.nodes[-1] if hit.nodes else self.cache.root(req.cache_salt)
+            req.cache_node = hit.nodes[-1] if hit.nodes else AT_ROOT
+            if hit.nodes or hit.partial is not None:
+                self.cache.touch_root(req.cache_salt)
         if hit.partial is not None:
             src = hit.partial.block_id
             # Held while the fresh block is taken, so that taking it cannot evict the block to copy.
@@ -133,6 +139,13 @@ class KVCacheManager:
         token_ids = req.token_ids
         num_full = min(req.num_computed_tokens, len(token_ids)) // bs
         i = req.num_cached_blocks
+        if node.parent is None and i < num_full:
+            # NOTE: a root is looked up again: it goes away with its last block (or is evicted)
+            # while requests that hold none of its blocks still point at it.
+            node = self._root(req.cache_salt)
+            if node is None:
+                req.cache_node = None  # too many salts hold blocks: this request caches nothing
+                return
         while i < num_full:
             block = req.block_table[i]
             node = self.cache.insert(node, tuple(token_ids[i * bs : (i + 1) * bs]), block, step)
@@ -143,9 +156,27 @@ class KVCacheManager:
                 req.cache_node = None
                 req.num_cached_blocks = i
                 return
+            req.inserted.append(node)
             i += 1
         req.cache_node = node
         req.num_cached_blocks = i
+
+    def _root(self, salt: str) -> CacheNode | None:
+        """The salt's root to insert under; a new one evicts the least recently used root whose blocks
+        no request holds (its blocks become free) when max_cache_salts roots exist. None if none can go."""
+        cache = self.cache
+        if cache.find_root(salt) is None and cache.num_roots >= self.max_cache_salts:
+            victim = cache.evictable_root()
+            if victim is None:
+                return None
+            self.pool.reclaim(cache.drop_root(victim))
+        return cache.root(salt)
+
+    def uncache_since(self, salt: str, step: int) -> None:
+        """Forget the salt's cached blocks that plans of step `step` or later compute and that no block
+        table holds, with everything under them: their K/V may never have been computed. They become free."""
+        if self.cache is not None:
+            self.pool.reclaim(self.cache.drop_since(salt, step))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, its blocks becoming plain free blocks (as vLLM's

@@ -105,9 +105,13 @@ class PlanBuilder:
     def requests_at(self, step_id: int, slots: list[int]) -> list[Request]:
         """The requests the given slots addressed at that step (e.g. StepResult.sampled_slots, or
         the slots of its prompt_logprobs)."""
-        step_slots, step_requests = self._steps[step_id]
-        by_slot = dict(zip(step_slots, step_requests, strict=True))
+        by_slot = self.requests_by_slot(step_id)
         return [by_slot[s] for s in slots]
+
+    def requests_by_slot(self, step_id: int) -> dict[int, Request]:
+        """Slot -> request of the requests scheduled at that step."""
+        step_slots, step_requests = self._steps[step_id]
+        return dict(zip(step_slots, step_requests, strict=True))
 
     def _new_slot(self, req: Request) -> int:
         if self._free_slots:

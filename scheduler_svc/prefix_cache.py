@@ -12,11 +12,17 @@ NOTE: a request only inserts a block under a node whose block it holds itself (s
 KVCacheManager.cache_full_blocks), so whoever holds a node holds all of its ancestors. Hence an
 unreferenced node has no referenced descendant, every unreferenced node is evictable by evicting
 leaves first, and `num_evictable` is exact.
+
+Per-salt state is bounded: a root exists only while it has a block under it (it goes away with its
+last one), so there are never more roots than cached blocks, and KVCacheManager caps their number
+(evicting the least recently used root whose blocks no request holds, with all its blocks). A request
+that points at a root looks it up again before it inserts under it.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
@@ -39,6 +45,13 @@ class CacheNode:
     referenced: bool = True
     # False once evicted.
     alive: bool = True
+    # The cache salt, for a root; empty for the other nodes.
+    salt: str = ""
+
+
+# What a request's cache_node is while it holds no cached block: the root of its salt, looked up
+# again when it inserts (see KVCacheManager.cache_full_blocks).
+AT_ROOT = CacheNode(block_id=-1, key=(), parent=None, alive=False)
 
 
 class PrefixCache:
@@ -46,7 +59,8 @@ class PrefixCache:
         self.block_size = block_size
         # Cached blocks no block table holds (all evictable, leaves first).
         self.num_evictable = 0
-        self._roots: dict[str, CacheNode] = {}
+        # One root per salt with blocks under it, least recently used first.
+        self._roots: OrderedDict[str, CacheNode] = OrderedDict()
         self._node_of_block: list[CacheNode | None] = [None] * num_blocks
         self._num_cached = 0
         self._clock = 0
@@ -58,11 +72,93 @@ class PrefixCache:
     def num_cached_blocks(self) -> int:
         return self._num_cached
 
+    @property
+    def num_roots(self) -> int:
+        return len(self._roots)
+
+    def find_root(self, salt: str) -> CacheNode | None:
+        """The salt's root, if it has blocks under it; no side effect."""
+        return self._roots.get(salt)
+
     def root(self, salt: str) -> CacheNode:
+        """The salt's root, made if missing (insert a block under it at once), now the most recently used."""
         node = self._roots.get(salt)
         if node is None:
-            node = self._roots[salt] = CacheNode(block_id=-1, key=(), parent=None)
+            node = self._roots[salt] = CacheNode(block_id=-1, key=(), parent=None, salt=salt)
+        else:
+            self._roots.move_to_end(salt)
         return node
+
+    def touch_root(self, salt: str) -> None:
+        """The salt's root (if any) is now the most recently used (a request hit its blocks)."""
+        if salt in self._roots:
+            self._roots.move_to_end(salt)
+
+    def evictable_root(self) -> CacheNode | None:
+        """The least recently used root whose blocks no request holds, or None. A root's blocks are all
+        unreferenced when its children are (whoever holds a node holds its ancestors)."""
+        for node in self._roots.values():
+            if not any(child.referenced for child in node.children.values()):
+                return node
+        return None
+
+    def drop_root(self, root: CacheNode) -> list[int]:
+        """Forget a root and every block under it (none referenced); returns those blocks, now uncached."""
+        assert root.parent is None and self._roots.get(root.salt) is root
+        del self._roots[root.salt]
+        root.alive = False
+        blocks = self._drop_below(root)
+        return blocks
+
+    def drop_subtree(self, node: CacheNode) -> list[int]:
+        """Forget a (non-root) node and every node under it, none referenced; returns their blocks, now
+        uncached. Its parent may become an evictable leaf, or a root without blocks, which goes away."""
+        parent = node.parent
+        assert parent is not None and node.alive and parent.children.get(node.key) is node
+        del parent.children[node.key]
+        blocks = self._drop_below(node)
+        assert not node.referenced, "a node a request holds is dropped"
+        node.alive = False
+        self._node_of_block[node.block_id] = None
+        blocks.append(node.block_id)
+        self._num_cached -= 1
+        self.num_evictable -= 1
+        if parent.parent is None:
+            if not parent.children:
+                del self._roots[parent.salt]
+                parent.alive = False
+        elif not parent.referenced and not parent.children:
+            self._push(parent)
+        return blocks
+
+    def drop_since(self, salt: str, step: int) -> list[int]:
+        """Forget every unreferenced node of the salt computed by a plan of step `step` or later, with
+        everything under it (all unreferenced: holders of a node hold its ancestors); returns their blocks."""
+        root = self._roots.get(salt)
+        blocks: list[int] = []
+        stack = list(root.children.values()) if root is not None else []
+        while stack:
+            node = stack.pop()
+            if node.step >= step and not node.referenced:
+                blocks += self.drop_subtree(node)
+            else:
+                stack.extend(node.children.values())
+        return blocks
+
+    def _drop_below(self, top: CacheNode) -> list[int]:
+        blocks = []
+        stack = list(top.children.values())
+        top.children = {}
+        while stack:
+            node = stack.pop()
+            assert not node.referenced, "a node a request holds is dropped"
+            stack.extend(node.children.values())
+            node.alive = False
+            self._node_of_block[node.block_id] = None
+            blocks.append(node.block_id)
+        self._num_cached -= len(blocks)
+        self.num_evictable -= len(blocks)
+        return blocks
 
     def is_cached(self, block_id: int) -> bool:
         return self._node_of_block[block_id] is not None
@@ -151,13 +247,21 @@ class PrefixCache:
         self._node_of_block[node.block_id] = None
         self._num_cached -= 1
         self.num_evictable -= 1
-        if parent.parent is not None and not parent.referenced and not parent.children:
+        if parent.parent is None:
+            if not parent.children:
+                del self._roots[parent.salt]  # a root goes away with its last block
+                parent.alive = False
+        elif not parent.referenced and not parent.children:
             self._push(parent)
         return node.block_id
 
     def cached_nodes(self) -> list[CacheNode]:
         """Every live node but the roots (for invariant checks)."""
         return [n for n in self._node_of_block if n is not None]
+
+    def roots(self) -> list[CacheNode]:
+        """Every root, least recently used first (for invariant checks)."""
+        return list(self._roots.values())
 
     def _tick(self) -> int:
         self._clock += 1

@@ -63,6 +63,16 @@ class Request:
     # Indices of the sequences still to fork off once the prompt but its last token is computed
     # (1..n-1 for a new request with n > 1; empty otherwise).
     pending_forks: list[int] = field(default_factory=list)
+    # (sequences, tokens) it weighs in the waiting queue while it waits: its sequences (itself and its
+    # forks to come), and as many times prompt_len + max_output_tokens (see Scheduler._weigh).
+    queue_weight: tuple[int, int] = (0, 0)
+    # Step of its latest admission if that admission hit the prefix cache, else 0.
+    hit_step: int = 0
+    # Step of the plan it entered the worker with since its latest admission (or fork); 0: not yet.
+    entry_step: int = 0
+    # Trie nodes of the blocks it cached itself since its latest admission (or fork), in order; kept once
+    # it ends, for a failure reported after that (see Scheduler._drop_uncomputed).
+    inserted: list[CacheNode] = field(default_factory=list)
     # Why the sequence ended; UNSPECIFIED while it runs.
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     # The stop token id (from sampling.stop_token_ids) that ended it, when one did.
@@ -181,6 +191,7 @@ class Request:
             num_cached_blocks=self.num_cached_blocks,
             cache_node=self.cache_node,
             num_cached_prompt_tokens=self.num_cached_prompt_tokens,
+            hit_step=self.hit_step,
         )
 
 

@@ -68,6 +68,9 @@ class RequestStream:
         # Prompt log-probabilities received and not sent yet; sent once on the first message.
         self.prompt_logprobs: list[common_pb2.TokenLogprob] = []
         self.prompt_logprobs_sent = False
+        # Worker failures it was in a step in flight for (each requeued it), and what the last one was.
+        self.num_failures = 0
+        self.last_failure = ""
 
     @property
     def num_unfinished(self) -> int:
@@ -80,12 +83,25 @@ class RequestStream:
             cached_prompt_tokens=max(0, self.cached_prompt_tokens),
         )
 
+    def is_fresh(self) -> bool:
+        """Whether its client has seen nothing yet (it goes to a worker as one request of n sequences)."""
+        return all(not s.token_ids for s in self.sequences) and self.num_unfinished == self.n
+
+    def weight(self, max_model_len: int) -> tuple[int, int]:
+        """(sequences, tokens) it weighs in the waiting queue: its unfinished sequences, and as many times
+        its prompt plus max_tokens (the room left under max_model_len when unset)."""
+        prompt_len = len(self.msg.prompt_token_ids)
+        sp = self.msg.sampling
+        longest = prompt_len + sp.max_tokens if sp.HasField("max_tokens") else max_model_len
+        seqs = self.num_unfinished
+        return seqs, seqs * longest
+
     def core_requests(self, eos_token_ids: frozenset[int]) -> list[Request]:
         """What is left of this stream, for a worker's core: the whole request while its client has
         seen nothing, else each unfinished sequence on its own, carrying on after the tokens already
         streamed (its outputs stay outputs, its seed stays the child seed: after a worker failure it
         continues exactly as it would have, seeded draws and penalties included)."""
-        if all(not s.token_ids for s in self.sequences) and self.num_unfinished == self.n:
+        if self.is_fresh():
             requests = [Request.from_generate_request(self.msg, eos_token_ids, self.arrival_time)]
         else:
             requests = [

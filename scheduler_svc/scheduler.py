@@ -8,11 +8,16 @@ request (lowest priority, latest arrival) is preempted by recomputation.
 Pipelining: schedule() may run again before the previous step's update_from_output(). A request
 that samples at a step gets a pending placeholder token, so the next step can compute it (the
 worker feeds each decode its own last sample) before its id is known here.
+
+No request can take the others down: an exception in one request's part of a step (its admission,
+its fork, its bookkeeping when a result comes in) fails that request alone, its blocks freed, and the
+step goes on; so does a request the worker refuses. The caller collects them with take_failures().
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pagedserve.v1 import common_pb2, worker_pb2
@@ -76,6 +81,17 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
+class RequestFailure:
+    # Id of the request that failed (every one of its sequences has ended here).
+    request_id: str
+    # What went wrong, naming the request.
+    message: str
+    # Not failed but taken off this core: it may have read K/V that a failed request was to compute and
+    # never did, so the caller recomputes it (as after a worker failure: from what its client has seen).
+    retry: bool = False
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     # Sequences admitted (holding blocks), and waiting for blocks or a batch place.
     num_running: int
@@ -124,6 +140,12 @@ class Scheduler:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._finished_by_reason = {"stop": 0, "length": 0, "abort": 0}
+        # Requests failed since the last take_failures().
+        self._failures: list[RequestFailure] = []
+        # Sequences waiting (a parent counts its sequences not forked yet), and the tokens they may
+        # hold at most (prompt plus max_output_tokens each): the weights of the waiting queue.
+        self.num_waiting_seqs = 0
+        self.num_waiting_tokens = 0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -152,10 +174,9 @@ class Scheduler:
         req.max_output_tokens = min(sp.max_tokens, room) if sp.HasField("max_tokens") else room
         if req.num_output_tokens >= req.max_output_tokens:
             raise ValueError(f"{req.num_output_tokens} output tokens leave nothing to generate")
-        longest = req.prompt_len + req.max_output_tokens
-        if n * -(-longest // cfg.block_size) > cfg.num_blocks:
+        if (refusal := pool_refusal(cfg, req.prompt_len, req.max_output_tokens, n)) is not None:
             # NOTE: refused up front because alone in the pool it could never finish.
-            raise ValueError(f"{n} sequence(s) of up to {longest} tokens can never fit the KV pool")
+            raise ValueError(refusal)
         if group is None:
             self._num_arrivals += 1
             req.arrival_seq = self._num_arrivals
@@ -164,7 +185,7 @@ class Scheduler:
         req.sort_key = (req.priority if cfg.policy == "priority" else 0, req.arrival_seq, req.index)
         req.pending_forks = list(range(1, n))
         req.status = RequestStatus.WAITING
-        bisect.insort(self.waiting, req, key=_sort_key)
+        self._enqueue(req)
         if group is None:
             self._requests[req.request_id] = [req]
         else:
@@ -179,10 +200,19 @@ class Scheduler:
         for req in group:
             if req.index == index:
                 if req.pending_forks:
-                    self._hand_over_forks(req)
+                    try:
+                        self._hand_over_forks(req)
+                    except Exception as error:
+                        self._fail_request(req, "handing its sequences over", error)
+                        return []
                 return self._abort(req)
             if index in req.pending_forks:
+                waiting = req.status is RequestStatus.WAITING
+                if waiting:
+                    self._unweigh(req)
                 req.pending_forks.remove(index)
+                if waiting:
+                    self._weigh(req)
                 if req.status is RequestStatus.RUNNING:
                     self._num_reserved_seqs -= 1
                 self._finished_by_reason["abort"] += 1
@@ -217,7 +247,7 @@ class Scheduler:
                 self._to_fork.append(heir)
         else:
             heir.status = RequestStatus.WAITING
-            bisect.insort(self.waiting, heir, key=_sort_key)
+            self._enqueue(heir)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing changes) while a request holds cached blocks."""
@@ -272,80 +302,102 @@ class Scheduler:
         cows: list[CowCopy] = []
         running = self.running
         preempted = False
+        # Ids of the requests that failed in this step (their entries leave the step's lists).
+        failed: set[str] = set()
 
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             i += 1
-            start = req.num_computed_tokens
-            if req.pending_forks:
-                num_new = req.prompt_len - 1 - start
-            else:
-                num_known = len(req.token_ids)
-                num_tokens = num_known + req.num_pending_tokens
-                if num_tokens - req.prompt_len >= req.max_output_tokens:
-                    continue  # its last samples are in flight: the results will finish it
-                num_new = num_tokens - start
-                if (
-                    num_new == 1
-                    and start % bs
-                    and start >= req.prompt_len
-                    and ref_counts[req.block_table[-1]] == 1
-                ):
-                    # Fast path, the common case: a decode whose token lands in its own partly filled
-                    # last block (no block to allocate, nothing shared); _schedule_tokens inlined.
-                    req.num_computed_tokens = num_tokens
-                    req.num_pending_tokens += 1
-                    scheduled.append(req)
-                    counts.append(1)
-                    sampled.append(req)
-                    budget -= 1
-                    if req.cache_node is not None and num_known // bs > req.num_cached_blocks:
-                        kv.cache_full_blocks(req, self._step_id)
+            # NOTE: a try costs nothing until it catches (Python 3.11).
+            try:
+                start = req.num_computed_tokens
+                if req.pending_forks:
+                    num_new = req.prompt_len - 1 - start
+                else:
+                    num_known = len(req.token_ids)
+                    num_tokens = num_known + req.num_pending_tokens
+                    if num_tokens - req.prompt_len >= req.max_output_tokens:
+                        continue  # its last samples are in flight: the results will finish it
+                    num_new = num_tokens - start
+                    if (
+                        num_new == 1
+                        and start % bs
+                        and start >= req.prompt_len
+                        and ref_counts[req.block_table[-1]] == 1
+                    ):
+                        # Fast path, the common case: a decode whose token lands in its own partly filled
+                        # last block (no block to allocate, nothing shared); _schedule_tokens inlined.
+                        req.num_computed_tokens = num_tokens
+                        req.num_pending_tokens += 1
+                        scheduled.append(req)
+                        counts.append(1)
+                        sampled.append(req)
+                        budget -= 1
+                        if req.cache_node is not None and num_known // bs > req.num_cached_blocks:
+                            kv.cache_full_blocks(req, self._step_id)
+                        continue
+                if num_new <= 0:
                     continue
-            if num_new <= 0:
-                continue
-            if num_new > budget:
-                if not cfg.enable_chunked_prefill and num_new <= cfg.max_num_batched_tokens:
-                    continue
-                num_new = budget
-            while not kv.allocate_slots(req, num_new, cows):
-                victim = running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-            else:
-                budget -= num_new
-                self._schedule_tokens(req, num_new, scheduled, counts, sampled, bs)
+                if num_new > budget:
+                    if not cfg.enable_chunked_prefill and num_new <= cfg.max_num_batched_tokens:
+                        continue
+                    num_new = budget
+                while not kv.allocate_slots(req, num_new, cows):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        break
+                else:
+                    budget -= num_new
+                    self._schedule_tokens(req, num_new, scheduled, counts, sampled, bs)
+            except Exception as error:
+                # The requests before it that survive keep their places: the loop goes on after them.
+                before = running[: i - 1]
+                failed |= self._fail_request(req, "being scheduled", error, self._step_id)
+                i = sum(1 for r in before if r.status is RequestStatus.RUNNING)
 
         # NOTE: no admission in a step that preempted: the blocks just freed would be taken by a
         # newcomer instead of the request that lost them.
         waiting = self.waiting
         while waiting and budget > 0 and not preempted:
             req = waiting[0]
-            admission = self._admission(req, budget)
-            if admission is None:
-                break
-            hit, num_new = admission
-            waiting.pop(0)
-            kv.admit(req, hit, cows)
-            ok = kv.allocate_slots(req, num_new, cows)
-            assert ok
-            if kv.cache is not None:
-                self._prefix_queries += len(req.token_ids)
-                self._prefix_hits += hit.num_tokens
-            if req.num_cached_prompt_tokens < 0:
-                req.num_cached_prompt_tokens = min(hit.num_tokens, req.prompt_len)
-            req.status = RequestStatus.RUNNING
-            self._num_reserved_seqs += len(req.pending_forks)
-            bisect.insort(running, req, key=_sort_key)
-            if num_new > 0:
-                budget -= num_new
-                self._schedule_tokens(req, num_new, scheduled, counts, sampled, bs)
-            else:
-                self._to_fork.append(req)  # the cache held the whole prefix to share
+            try:
+                admission = self._admission(req, budget)
+                if admission is None:
+                    break
+                hit, num_new = admission
+                waiting.pop(0)
+                self._unweigh(req)
+                kv.admit(req, hit, cows)
+                ok = kv.allocate_slots(req, num_new, cows)
+                assert ok
+                if kv.cache is not None:
+                    self._prefix_queries += len(req.token_ids)
+                    self._prefix_hits += hit.num_tokens
+                if req.num_cached_prompt_tokens < 0:
+                    req.num_cached_prompt_tokens = min(hit.num_tokens, req.prompt_len)
+                req.hit_step = self._step_id if hit.num_tokens else 0
+                req.entry_step = 0
+                self._num_reserved_seqs += len(req.pending_forks)
+                req.status = RequestStatus.RUNNING
+                bisect.insort(running, req, key=_sort_key)
+                if num_new > 0:
+                    budget -= num_new
+                    self._schedule_tokens(req, num_new, scheduled, counts, sampled, bs)
+                else:
+                    self._to_fork.append(req)  # the cache held the whole prefix to share
+            except Exception as error:
+                failed |= self._fail_request(req, "being admitted", error, self._step_id)
 
+        if failed:
+            kept = [k for k, r in enumerate(scheduled) if r.request_id not in failed]
+            scheduled = [scheduled[k] for k in kept]
+            counts = [counts[k] for k in kept]
+            sampled = [r for r in sampled if r.request_id not in failed]
+            cows = [c for c in cows if c.request.request_id not in failed]
+            budget = cfg.max_num_batched_tokens - sum(counts)
         assert len(running) <= cfg.max_num_seqs
         out = SchedulerOutput(
             step_id=self._step_id,
@@ -392,6 +444,8 @@ class Scheduler:
     ) -> None:
         start = req.num_computed_tokens
         req.num_computed_tokens = end = start + num_new
+        if not req.entry_step:
+            req.entry_step = self._step_id  # the plan that brings it to the worker
         scheduled.append(req)
         counts.append(num_new)
         if start < req.prompt_len:
@@ -408,24 +462,28 @@ class Scheduler:
         for parent in self._to_fork:
             if not _ready_to_fork(parent):
                 continue  # aborted, or preempted (it is queued again when it gets back there)
-            group = self._requests[parent.request_id]
-            for index in parent.pending_forks:
-                child = parent.fork(index)
-                self.kv.fork(parent, child)
-                bisect.insort(self.running, child, key=_sort_key)
-                group.append(child)
-            self._num_reserved_seqs -= len(parent.pending_forks)
-            parent.pending_forks = []
+            try:
+                group = self._requests[parent.request_id]
+                for index in parent.pending_forks:
+                    child = parent.fork(index)
+                    self.kv.fork(parent, child)
+                    bisect.insort(self.running, child, key=_sort_key)
+                    group.append(child)
+                self._num_reserved_seqs -= len(parent.pending_forks)
+                parent.pending_forks = []
+            except Exception as error:
+                self._fail_request(parent, "forking its sequences", error)
         self._to_fork.clear()
 
     def _preempt(self, req: Request) -> None:
         assert req.status is RequestStatus.RUNNING
         self.kv.free(req)
         req.status = RequestStatus.WAITING
+        req.entry_step = 0
         self._num_reserved_seqs -= len(req.pending_forks)
         self._num_preemptions += 1
         self._preempted.append(req)
-        bisect.insort(self.waiting, req, key=_sort_key)
+        self._enqueue(req)
 
     def _finish(self, req: Request, reason: int) -> None:
         if req.status is RequestStatus.RUNNING:
@@ -434,6 +492,7 @@ class Scheduler:
             self._num_reserved_seqs -= len(req.pending_forks)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+            self._unweigh(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         group = self._requests[req.request_id]
@@ -444,44 +503,175 @@ class Scheduler:
         self._finished_by_reason[_FINISH_NAMES[reason]] += 1 + len(req.pending_forks)
         req.pending_forks = []
 
+    def _fail_request(
+        self,
+        req: Request,
+        stage: str | None,
+        error: BaseException | str,
+        uncomputed_from: int | None = None,
+    ) -> set[str]:
+        """Fail req's request alone: every sequence of it ends (aborted, blocks released, slots freed by
+        the next plan), whatever state the exception left it in, and a RequestFailure is kept for the
+        caller (stage None: error is the whole message). uncomputed_from: the step from which no plan
+        will compute what its sequences cached (see _drop_uncomputed). Returns the ids of the requests
+        ended here."""
+        message = error if stage is None else f"{type(error).__name__}: {error}"
+        where = "" if stage is None else f" while {stage}"
+        self._failures.append(
+            RequestFailure(req.request_id, f"request {req.request_id!r} failed{where}: {message}")
+        )
+        group = self._requests.pop(req.request_id, [])
+        if req not in group:
+            group.append(req)
+        self._end(group)
+        ended = {req.request_id}
+        if uncomputed_from is not None:
+            ended |= self._drop_uncomputed(dict.fromkeys(group, uncomputed_from), req.request_id)
+        return ended
+
+    def _drop_uncomputed(self, uncomputed_from: Mapping[Request, int], cause: str) -> set[str]:
+        """These sequences (ended) cached blocks that no plan computes from the given step on (each one's
+        step was lost: scrubbed from its plan, or left out by the worker). Every request of the salt that
+        hit the cache since may have read them, and cached blocks computed over them: each is taken off
+        this core (a RequestFailure with retry, to be recomputed); then every block of the salt cached
+        since that no request holds any more is uncached (some were fine: the cache loses a little).
+        Returns the ids of the requests taken off.
+
+        NOTE: blocks enter the trie when the plan that computes them is built, so that requests in the
+        same step and the next ones share them; this is the price of that when a plan's part is lost."""
+        steps = [
+            node.step
+            for seq, step in uncomputed_from.items()
+            for node in seq.inserted
+            if node.alive and node.step >= step
+        ]
+        if not steps:
+            return set()
+        since = min(steps)
+        salt = next(iter(uncomputed_from)).cache_salt
+        victims = set()
+        for request_id, seqs in list(self._requests.items()):
+            if not any(s.cache_salt == salt and s.hit_step >= since for s in seqs):
+                continue
+            self._failures.append(
+                RequestFailure(
+                    request_id,
+                    f"request {request_id!r} is recomputed: it may have read the K/V of blocks that request "
+                    f"{cause!r} was to compute and did not",
+                    retry=True,
+                )
+            )
+            del self._requests[request_id]
+            self._end(seqs)
+            victims.add(request_id)
+        self.kv.uncache_since(salt, since)
+        return victims
+
+    def _end(self, seqs: list[Request]) -> None:
+        """Abort these sequences (a failure), from whatever state they are in; they leave _requests."""
+        for seq in seqs:
+            if seq.status is RequestStatus.FINISHED:
+                continue
+            if seq.status is RequestStatus.RUNNING:
+                if seq in self.running:
+                    self.running.remove(seq)
+                self._num_reserved_seqs -= len(seq.pending_forks)
+            elif seq in self.waiting:  # not when an admission failed between its pop and its RUNNING
+                self.waiting.remove(seq)
+                self._unweigh(seq)
+            self.kv.free(seq)
+            seq.status = RequestStatus.FINISHED
+            seq.finish_reason = common_pb2.FINISH_REASON_ABORT
+            self._finished.append(seq)
+            self._finished_by_reason["abort"] += 1 + len(seq.pending_forks)
+            seq.pending_forks = []
+
+    def take_failures(self) -> list[RequestFailure]:
+        """The requests failed since the last call (see the module docstring); their clients must hear why."""
+        failures = self._failures
+        if failures:  # NOTE: no new list per step while nothing fails
+            self._failures = []
+        return failures
+
+    # ------------------------------------------------------------------ the waiting queue's weights
+
+    def _enqueue(self, req: Request) -> None:
+        bisect.insort(self.waiting, req, key=_sort_key)
+        self._weigh(req)
+
+    def _weigh(self, req: Request) -> None:
+        seqs = 1 + len(req.pending_forks)
+        req.queue_weight = (seqs, seqs * (req.prompt_len + req.max_output_tokens))
+        self.num_waiting_seqs += seqs
+        self.num_waiting_tokens += req.queue_weight[1]
+
+    def _unweigh(self, req: Request) -> None:
+        seqs, tokens = req.queue_weight
+        self.num_waiting_seqs -= seqs
+        self.num_waiting_tokens -= tokens
+
     # ------------------------------------------------------------------ results
 
-    def update_from_output(self, out: SchedulerOutput, result: worker_pb2.StepResult) -> list[RequestOutput]:
-        """Take the tokens sampled at out's step (updates arrive in step order)."""
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        result: worker_pb2.StepResult,
+        refused: Mapping[Request, str] | None = None,
+    ) -> list[RequestOutput]:
+        """Take the tokens sampled at out's step (updates arrive in step order). `refused`: the requests
+        of the step the worker left out (StepResult.refused_slots), with its message: each fails alone."""
         assert result.step_id == out.step_id, f"result of step {result.step_id} for step {out.step_id}"
         token_ids = result.sampled_token_ids
-        assert len(token_ids) == len(out.sampled), "sampled tokens do not match the plan"
+        sampled = out.sampled
+        if refused:
+            by_request: dict[str, dict[Request, int]] = {}
+            for req in refused:
+                by_request.setdefault(req.request_id, {})[req] = req.entry_step
+            for seqs in by_request.values():
+                first = next(iter(seqs))
+                if first.request_id in self._requests and any(
+                    s.status is not RequestStatus.FINISHED for s in seqs
+                ):
+                    self._fail_request(first, None, f"its worker refused it: {refused[first]}")
+                # NOTE: the worker left each out of every plan since the one it entered with, whether
+                # it is still live or was aborted since.
+                self._drop_uncomputed(seqs, first.request_id)
+            sampled = [req for req in sampled if req not in refused]
+        assert len(token_ids) == len(sampled), "sampled tokens do not match the plan"
         offsets = _top_offsets(result) if len(result.sampled_logprobs) else None
         block_size = self.config.block_size
         finished = RequestStatus.FINISHED
         outputs = []
         append = outputs.append
-        for i, req in enumerate(out.sampled):
+        for i, req in enumerate(sampled):
             req.num_pending_tokens -= 1
             assert req.num_pending_tokens >= 0
             if req.status is finished:
                 continue  # sampled in a step already in flight when it finished or was aborted
-            token = token_ids[i]
-            tokens = req.token_ids
-            tokens.append(token)
-            num_known = len(tokens)
-            logprobs = None
-            if offsets is not None and req.wants_logprobs:
-                logprobs = [_token_logprob(result, i, offsets[i], token)]
-            reason = req.check_stop(token)
-            if reason:
-                self._finish(req, reason)
-            elif req.cache_node is not None and (
-                min(req.num_computed_tokens, num_known) // block_size > req.num_cached_blocks
-            ):
-                self.kv.cache_full_blocks(req, self._step_id)
-            # NOTE: positional and inline (the hot path); num_cached_prompt_tokens is set: it sampled.
-            append(
-                RequestOutput(
-                    req.request_id, req.index, [token], logprobs, reason, req.stop_token_id,
-                    req.prompt_len, num_known - req.prompt_len, req.num_cached_prompt_tokens,
-                )
-            )  # fmt: skip
+            try:
+                token = token_ids[i]
+                tokens = req.token_ids
+                tokens.append(token)
+                num_known = len(tokens)
+                logprobs = None
+                if offsets is not None and req.wants_logprobs:
+                    logprobs = [_token_logprob(result, i, offsets[i], token)]
+                reason = req.check_stop(token)
+                if reason:
+                    self._finish(req, reason)
+                elif req.cache_node is not None and (
+                    min(req.num_computed_tokens, num_known) // block_size > req.num_cached_blocks
+                ):
+                    self.kv.cache_full_blocks(req, self._step_id)
+                # NOTE: positional and inline (the hot path); num_cached_prompt_tokens is set: it sampled.
+                append(
+                    RequestOutput(
+                        req.request_id, req.index, [token], logprobs, reason, req.stop_token_id,
+                        req.prompt_len, num_known - req.prompt_len, req.num_cached_prompt_tokens,
+                    )
+                )  # fmt: skip
+            except Exception as error:
+                self._fail_request(req, "taking its sampled token", error)
         self._generation_tokens += len(outputs)
         return outputs
 
@@ -524,6 +714,23 @@ class Scheduler:
 
 def _sort_key(req: Request) -> tuple[int, int, int]:
     return req.sort_key
+
+
+def pool_refusal(cfg: SchedulerConfig, prompt_len: int, max_output_tokens: int, n: int) -> str | None:
+    """Why n sequences of prompt_len + max_output_tokens tokens can never run on a pool of cfg's, or None.
+
+    NOTE: n times the longest sequence's blocks, as if the forks shared nothing: a sibling preempted
+    and recomputed holds blocks of its own, and a request admitted with no way to finish would hold
+    the head of the queue or preempt itself and compute its prompt again forever."""
+    longest = prompt_len + max_output_tokens
+    need = n * -(-longest // cfg.block_size)
+    if need <= cfg.num_blocks:
+        return None
+    return (
+        f"{n} sequence(s) of up to {longest} tokens ({prompt_len} in the prompt, up to {max_output_tokens} "
+        f"generated) need {need} KV blocks of {cfg.block_size} tokens; the worker's KV pool has "
+        f"{cfg.num_blocks} blocks ({cfg.num_blocks * cfg.block_size} tokens)"
+    )
 
 
 def _num_tokens_to_compute(req: Request) -> int:

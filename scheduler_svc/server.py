@@ -101,6 +101,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     ) -> engine_pb2.GetEngineInfoResponse:
         return engine_pb2.GetEngineInfoResponse(info=self.engine.info())
 
+    async def DrainWorker(
+        self, request: engine_pb2.DrainWorkerRequest, context
+    ) -> engine_pb2.DrainWorkerResponse:
+        response = await self.engine.drain_worker(request.worker_id, request.address)
+        log.info("worker_drain_answered", worker_id=request.worker_id, drained=response.drained)
+        return response
+
     async def RegisterWorker(
         self, request: engine_pb2.RegisterWorkerRequest, context
     ) -> engine_pb2.RegisterWorkerResponse:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pagedserve.flags import EnvFlags
 from pagedserve.grpc_utils import ServiceTLSFields, add_tls_arguments
+from pagedserve.validation import Limits
 
 POLICIES = ("fcfs", "priority")
 
@@ -40,12 +41,31 @@ class SchedulerServiceConfig(ServiceTLSFields):
     enable_prefix_caching: bool = True
     # "fcfs" or "priority" (lower priority value runs first, ties first come, first served).
     scheduling_policy: str = "fcfs"
-    # Most requests waiting over all workers before new ones are refused (RESOURCE_EXHAUSTED).
+    # Most sequences waiting over all workers (a request counts its n) before new ones are refused
+    # (RESOURCE_EXHAUSTED).
     max_queued_requests: int = 4096
+    # Most tokens waiting over all workers, each waiting sequence counting its prompt plus max_tokens,
+    # before new requests are refused (RESOURCE_EXHAUSTED): 4096 sequences of 1024 tokens.
+    max_queued_tokens: int = 4096 * 1024
     # Plans sent to a worker before its first result comes back (2: plan N+1 overlaps step N).
     max_inflight_plans: int = 2
     # Seconds a request waits for a worker to (re)register when no worker is healthy, then fails.
     worker_wait_timeout: float = 60.0
+    # Worker failures (stream broken, or a step past its deadline) a request may be requeued after, counting
+    # those where it was in a step in flight; at the next it fails, naming the last failure.
+    max_requeues: int = 2
+    # A step whose result has not come back step_timeout + step_timeout_per_token x its tokens seconds
+    # after it started means a hung worker, treated as a dead one. NOTE: an 8B model costs about 16
+    # GFLOP a token, so 0.5 s a token allows 32 GFLOP/s, below what two AVX2 cores sustain: a
+    # 2048-token prefill of an 8B model on CPU gets 60 + 1024 s.
+    step_timeout: float = 60.0
+    step_timeout_per_token: float = 0.5
+    # Seconds a failed worker has to come back (answer Reset) before it is retired: closed and forgotten.
+    worker_retire_timeout: float = 300.0
+    # Seconds of pending work with no step completed after which EngineInfo.stalled is set.
+    progress_deadline: float = 300.0
+    # Most cache salts holding cached blocks, per worker (their prefix-trie roots; see SchedulerConfig).
+    max_cache_salts: int = 1024
     # Seconds SIGTERM waits for running requests to finish (new ones are refused meanwhile).
     shutdown_timeout: float = 30.0
     # Logging level, and JSON (True) or console output.
@@ -55,9 +75,16 @@ class SchedulerServiceConfig(ServiceTLSFields):
     def __post_init__(self) -> None:
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, not {self.scheduling_policy!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests"):
+        positive = (
+            "max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests", "max_queued_tokens",
+            "max_cache_salts", "step_timeout", "worker_retire_timeout", "progress_deadline",
+        )  # fmt: skip
+        for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
+        for name in ("max_requeues", "step_timeout_per_token"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, not {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, not {self.max_model_len}")
         if not 1 <= self.max_inflight_plans <= 8:
@@ -67,6 +94,11 @@ class SchedulerServiceConfig(ServiceTLSFields):
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must not be negative, not {self.shutdown_timeout}")
         self.tls  # noqa: B018 -- checks the TLS flags go together and the files exist
+
+    @property
+    def limits(self) -> Limits:
+        """What a request reaching the Engine may ask for (pagedserve.validation): n up to the batch size."""
+        return Limits(max_n=self.max_num_seqs)
 
     @classmethod
     def from_args(
@@ -95,9 +127,41 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--block-size", int, "tokens per KV block (workers must match)", default=16)
     add_bool("--enable-prefix-caching", "reuse KV blocks of shared prompt prefixes", True)
     add("--scheduling-policy", str, "fcfs or priority", default="fcfs", choices=POLICIES)
-    add("--max-queued-requests", int, "most waiting requests before new ones are refused", default=4096)
+    add(
+        "--max-queued-requests",
+        int,
+        "most waiting sequences (n each) before new ones are refused",
+        default=4096,
+    )
+    add(
+        "--max-queued-tokens",
+        int,
+        "most waiting tokens (n x (prompt + max_tokens)) before new requests are refused",
+        default=4096 * 1024,
+    )
     add("--max-inflight-plans", int, "plans in flight per worker (2: pipelined)", default=2)
     add("--worker-wait-timeout", float, "seconds a request waits for a worker when none is up", default=60.0)
+    add("--max-requeues", int, "worker failures a request is requeued after, then it fails", default=2)
+    add(
+        "--step-timeout",
+        float,
+        "seconds a step may take before its worker counts as hung (plus per token)",
+        default=60.0,
+    )
+    add("--step-timeout-per-token", float, "seconds more a step may take per token it computes", default=0.5)
+    add(
+        "--worker-retire-timeout",
+        float,
+        "seconds a failed worker has to come back before it is forgotten",
+        default=300.0,
+    )
+    add(
+        "--progress-deadline",
+        float,
+        "seconds of pending work with no step done before EngineInfo.stalled",
+        default=300.0,
+    )
+    add("--max-cache-salts", int, "most cache salts with cached blocks, per worker", default=1024)
     add("--shutdown-timeout", float, "seconds SIGTERM waits for running requests", default=30.0)
     add_tls_arguments(add, add_bool)
     add("--log-level", str, "debug, info, warning, error", default="info")

@@ -4,6 +4,11 @@ The loop keeps up to `max_inflight_plans` plans in flight, so plan N+1 is built,
 while the worker computes step N; when the core has nothing to schedule (`Scheduler.has_work()`) it
 sends no plan and sleeps on an event that new requests and aborts set. Every decision that spans
 workers (routing, failover, client messages) is the `Engine`'s: the loop calls back into it.
+
+Supervision: the oldest step in flight has a deadline (`--step-timeout` plus `--step-timeout-per-token`
+times its tokens, from when it became the oldest); a worker that keeps its connection but stops
+answering (a stuck kernel or compute thread) is treated as dead when it passes. Draining (the worker
+is leaving) stops new plans, waits for the ones in flight, then closes the stream.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.metrics import WorkerCounters
 from pagedserve.scheduler_svc.plan import PlanBuilder
 from pagedserve.scheduler_svc.request_stream import RequestStream
-from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.scheduler_svc.scheduler import Scheduler, SchedulerOutput, pool_refusal
 from pagedserve.tracing import get_tracer
 from pagedserve.v1 import engine_pb2, worker_pb2, worker_pb2_grpc
 
@@ -33,7 +38,7 @@ tracer = get_tracer("pagedserve.scheduler")
 
 
 class WorkerLost(Exception):
-    """The worker's Steps stream ended or broke."""
+    """The worker's Steps stream ended or broke, or a step outlived its deadline."""
 
 
 class WorkerEngine:
@@ -67,6 +72,7 @@ class WorkerEngine:
             ),
             enable_prefix_caching=cfg.enable_prefix_caching,
             policy=cfg.scheduling_policy,
+            max_cache_salts=cfg.max_cache_salts,
         )
         if self.core_config.max_model_len < engine.max_model_len:
             log.warning(
@@ -86,6 +92,15 @@ class WorkerEngine:
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.closed = False
+        # (scheduler output, step span, whether it came after a wait for work) of each plan sent whose
+        # result has not come back, in order.
+        self.in_flight: deque = deque()
+        # Set by the Engine when the worker is leaving: no new plans; the loop ends once none is in flight.
+        self.draining = False
+        # Set once a drain is over (its requests moved on, its stream closed), or the worker is gone.
+        self.drained = asyncio.Event()
+        # Requests moved off the worker by its drain.
+        self.num_moved = 0
 
     # --- what the router reads ---
     def prefix_hit_tokens(self, token_ids, cache_salt: str) -> int:
@@ -103,6 +118,21 @@ class WorkerEngine:
 
     def streams(self) -> list[RequestStream]:
         return list(self.routes.values())
+
+    def in_flight_request_ids(self) -> set[str]:
+        """Requests with a sequence in a step sent and not answered (those a failure now is blamed on)."""
+        return {req.request_id for output, _, _ in self.in_flight for req in output.scheduled}
+
+    def refusal(self, stream: RequestStream) -> str | None:
+        """Why this worker's KV pool could never hold what is left of the stream, or None."""
+        cfg = self.core_config
+        prompt_len = len(stream.msg.prompt_token_ids)
+        room = cfg.max_model_len - prompt_len
+        sp = stream.msg.sampling
+        max_output = min(sp.max_tokens, room) if sp.HasField("max_tokens") else room
+        # NOTE: a stream with tokens streamed comes back sequence by sequence (RequestStream.core_requests).
+        n = stream.n if stream.is_fresh() else 1
+        return pool_refusal(cfg, prompt_len, max_output, n)
 
     # --- requests ---
     def add(self, stream: RequestStream) -> None:
@@ -140,34 +170,46 @@ class WorkerEngine:
             await self._step_loop()
         except asyncio.CancelledError:
             raise
-        except (grpc.RpcError, WorkerLost) as error:
+        except (grpc.RpcError, WorkerLost, asyncio.InvalidStateError) as error:
+            # NOTE: InvalidStateError: a write to a call the worker's end has already finished.
             detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
             log.warning("worker_lost", worker_id=self.worker_id, address=self.address, error=detail)
-            self.engine.on_worker_failed(self)
-        except Exception:
+            self.engine.on_worker_failed(self, detail or type(error).__name__)
+        except Exception as error:
             log.exception("worker_loop_failed", worker_id=self.worker_id)
-            self.engine.on_worker_failed(self)
+            self.engine.on_worker_failed(self, f"the scheduler's loop for it failed: {error!r}")
+        else:
+            await self.engine.on_worker_drained(self)
+
+    def step_timeout(self, output: SchedulerOutput) -> float:
+        """Seconds the worker may take to answer this step once it is the oldest in flight."""
+        cfg = self.engine.config
+        return cfg.step_timeout + cfg.step_timeout_per_token * output.total_num_scheduled_tokens
 
     async def _step_loop(self) -> None:
         call = self.stub.Steps()
-        # (scheduler output, step span, whether it came after a wait for work) of each plan sent whose
-        # result has not come back, in order.
-        in_flight: deque = deque()
+        in_flight = self.in_flight
+        in_flight.clear()
         # Whether the loop last waited with no plan in flight and nothing to schedule: the worker's gap before
         # the next plan is then a wait for requests, which its counters keep apart from the steady state.
         waited_for_work = False
         max_inflight = self.engine.config.max_inflight_plans
-        scheduler, plan_builder = self.scheduler, self.plan_builder
+        scheduler, plan_builder, engine = self.scheduler, self.plan_builder, self.engine
+        loop = asyncio.get_running_loop()
+        # When the oldest step in flight must have answered (loop time).
+        deadline = 0.0
         pending_read: asyncio.Future | None = None
         try:
             while True:
                 self.wakeup.clear()
                 # NOTE: fill the pipeline first, then wait for the oldest result: plan N+1 is on the
                 # wire while the worker computes step N.
-                while len(in_flight) < max_inflight and scheduler.has_work():
+                while len(in_flight) < max_inflight and not self.draining and scheduler.has_work():
                     output = scheduler.schedule()
                     request = plan_builder.build(output)
                     plan = request.plan
+                    if failures := scheduler.take_failures():
+                        engine.on_requests_failed(self, failures)
                     span = tracer.start_span(
                         "worker.step",
                         attributes={
@@ -178,14 +220,21 @@ class WorkerEngine:
                         },
                     )
                     await call.write(request)
+                    if not in_flight:
+                        deadline = loop.time() + self.step_timeout(output)
                     in_flight.append((output, span, waited_for_work))
                     waited_for_work = False
-                    self.engine.on_scheduled(self, output)
+                    engine.on_scheduled(self, output)
                 # NOTE: one read is always pending, even while idle, so a worker that dies between
                 # requests is noticed at once (its stream ends) rather than at the next plan.
                 if pending_read is None:
                     pending_read = asyncio.ensure_future(call.read())
                 if not in_flight:
+                    if self.draining:
+                        # Every step sent has come back: close the stream, let the worker end its side.
+                        await call.done_writing()
+                        await asyncio.wait((pending_read,), timeout=5.0)
+                        return
                     waited_for_work = True
                     wakeup = asyncio.ensure_future(self.wakeup.wait())
                     done, _ = await asyncio.wait({pending_read, wakeup}, return_when=asyncio.FIRST_COMPLETED)
@@ -194,16 +243,37 @@ class WorkerEngine:
                     wakeup.cancel()
                     pending_read.result()  # raises the stream's error, if it broke
                     raise WorkerLost("the worker's Steps stream ended with no plan in flight")
-                response = await pending_read
+                if not pending_read.done():
+                    await asyncio.wait((pending_read,), timeout=max(deadline - loop.time(), 0.0))
+                    if not pending_read.done():
+                        output = in_flight[0][0]
+                        raise WorkerLost(
+                            f"step {output.step_id} ({output.total_num_scheduled_tokens} tokens) got no result "
+                            f"within its deadline of {self.step_timeout(output):.1f} s: the worker is hung"
+                        )
+                response = pending_read.result()
                 pending_read = None
                 if response is grpc.aio.EOF:
                     raise WorkerLost("the worker closed its Steps stream")
                 result = response.result
                 output, span, after_no_work = in_flight.popleft()
                 span.end()
+                if in_flight:
+                    deadline = loop.time() + self.step_timeout(in_flight[0][0])
+                engine.on_progress()
                 self.counters.observe(result.timings, after_no_work)
-                outputs = scheduler.update_from_output(output, result)
-                self.engine.deliver(self, output, result, outputs)
+                refused = None
+                if result.refused_slots:
+                    by_slot = plan_builder.requests_by_slot(result.step_id)
+                    refused = {
+                        by_slot[slot]: message
+                        for slot, message in zip(result.refused_slots, result.refused_messages, strict=True)
+                        if slot in by_slot
+                    }
+                outputs = scheduler.update_from_output(output, result, refused)
+                if failures := scheduler.take_failures():
+                    engine.on_requests_failed(self, failures)
+                engine.deliver(self, output, result, outputs)
         finally:
             for _, span, _ in in_flight:
                 span.end()
@@ -214,12 +284,14 @@ class WorkerEngine:
     def reset_core(self) -> None:
         """Forget every request: a fresh block pool and trie (the worker is Reset before reuse)."""
         self.routes.clear()
+        self.in_flight.clear()
         self.scheduler = Scheduler(self.core_config)
         self.plan_builder = PlanBuilder()
 
     async def close(self) -> None:
         self.closed = True
         self.healthy = False
+        self.drained.set()
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

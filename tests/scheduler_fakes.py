@@ -16,12 +16,13 @@ Driver runs a Scheduler + PlanBuilder + FakeWorker loop, optionally pipelined.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.scheduler_svc.plan import PlanBuilder
 from pagedserve.scheduler_svc.request import Request, RequestStatus
-from pagedserve.scheduler_svc.scheduler import RequestOutput, Scheduler, SchedulerOutput
-from pagedserve.v1 import common_pb2, worker_pb2
+from pagedserve.scheduler_svc.scheduler import RequestFailure, RequestOutput, Scheduler, SchedulerOutput
+from pagedserve.v1 import common_pb2, engine_pb2, worker_pb2
 
 VOCAB_SIZE = 64
 EOS = 1
@@ -63,6 +64,8 @@ class _Slot:
     table: list[int] = field(default_factory=list)
     # fingerprints[p]: fingerprint of tokens[: p + 1]
     fingerprints: list[int] = field(default_factory=list)
+    # It attended over K/V of the wrong prefix (a non-strict FakeWorker): what it writes and samples is garbage.
+    corrupt: bool = False
 
     def extend_fingerprints(self) -> None:
         fps = self.fingerprints
@@ -73,12 +76,29 @@ class _Slot:
 
 
 class FakeWorker:
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = VOCAB_SIZE) -> None:
+    """`refuse(new_request)`, when given, says why the worker refuses a new request (None: it takes it): as
+    the real runner does, such a request fails alone, its slot left out of every plan until freed.
+    strict: a slot that attends over the wrong K/V raises at once; else, as a real worker would, it
+    goes on with garbage (it writes garbage K/V and samples garbage tokens), for the scheduler to catch.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int = VOCAB_SIZE,
+        refuse: Callable[[worker_pb2.NewRequest], str | None] | None = None,
+        strict: bool = True,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
+        self.refuse = refuse
+        self.strict = strict
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.slots: dict[int, _Slot] = {}
+        # Slots whose request was refused, with why, until a plan frees them.
+        self.refused: dict[int, str] = {}
         self.last_step_id = 0
         self.num_copies = 0
 
@@ -89,8 +109,11 @@ class FakeWorker:
         if plan.step_id != self.last_step_id + 1:
             raise PlanError(f"step {plan.step_id} after {self.last_step_id}")
         departed = list(plan.finished_slots) + list(plan.preempted_slots)
-        if len(set(departed)) != len(departed) or any(s not in self.slots for s in departed):
+        known = set(self.slots) | set(self.refused)
+        if len(set(departed)) != len(departed) or any(s not in known for s in departed):
             raise PlanError(f"departing slots {departed} not all live")
+        if any(new.slot in known - set(departed) for new in plan.new_requests):
+            raise PlanError("new request on a live slot")
         live = set(self.slots) - set(departed)
         table_len = {s: len(self.slots[s].table) for s in live}
         info = {s: (self.slots[s].num_computed, len(self.slots[s].tokens)) for s in live}
@@ -126,12 +149,25 @@ class FakeWorker:
 
     # ---------------------------------------------------------------- execution
 
+    def _refusals(self, plan: worker_pb2.StepPlan) -> dict[int, str]:
+        freed = {*plan.finished_slots, *plan.preempted_slots}
+        refused = {s: m for s, m in self.refused.items() if s in plan.slots and s not in freed}
+        for new in plan.new_requests:
+            if self.refuse is not None and (problem := self.refuse(new)) is not None:
+                refused[new.slot] = f"new request {new.request_id!r} (slot {new.slot}): {problem}"
+        return refused
+
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        refused = self._refusals(plan)
+        if refused:
+            plan = _without_slots(plan, set(refused))
         self.validate(plan)
         bs = self.block_size
         self.last_step_id = plan.step_id
         for s in (*plan.finished_slots, *plan.preempted_slots):
-            del self.slots[s]
+            if self.refused.pop(s, None) is None:
+                del self.slots[s]
+        self.refused.update(refused)
         for new in plan.new_requests:
             sp = new.sampling
             slot = self.slots[new.slot] = _Slot(
@@ -157,15 +193,18 @@ class FakeWorker:
         for s, k in zip(plan.slots, plan.num_scheduled_tokens, strict=True):
             slot = self.slots[s]
             for p in range(slot.num_computed, slot.num_computed + k):
-                self.kv[slot.table[p // bs]][p % bs] = slot.fingerprints[p]
+                self.kv[slot.table[p // bs]][p % bs] = ("garbage",) if slot.corrupt else slot.fingerprints[p]
         result = worker_pb2.StepResult(step_id=plan.step_id)
+        result.refused_slots.extend(refused)
+        result.refused_messages.extend(refused.values())
         for s, k in zip(plan.slots, plan.num_scheduled_tokens, strict=True):
             slot = self.slots[s]
             slot.num_computed += k
             self._check_attention(s, slot)
             if slot.num_computed == len(slot.tokens):
                 position = len(slot.tokens) - slot.prompt_len
-                token = sample(slot.seed, position, slot.fingerprints[-1], self.vocab_size)
+                context = slot.fingerprints[-1] if not slot.corrupt else ("garbage", slot.fingerprints[-1])
+                token = sample(slot.seed, position, context, self.vocab_size)
                 slot.tokens.append(token)
                 slot.extend_fingerprints()
                 result.sampled_slots.append(s)
@@ -187,7 +226,34 @@ class FakeWorker:
             lo, hi = i * bs, min((i + 1) * bs, end)
             got = self.kv[slot.table[i]][: hi - lo]
             if got != fps[lo:hi]:
-                raise AssertionError(f"slot {s} block {i} (physical {slot.table[i]}) holds the wrong K/V")
+                if self.strict:
+                    raise AssertionError(f"slot {s} block {i} (physical {slot.table[i]}) holds the wrong K/V")
+                slot.corrupt = True
+
+
+def _without_slots(plan: worker_pb2.StepPlan, left_out: set[int]) -> worker_pb2.StepPlan:
+    kept = worker_pb2.StepPlan()
+    kept.CopyFrom(plan)
+    del kept.new_requests[:], kept.slots[:], kept.num_scheduled_tokens[:], kept.num_new_blocks[:]
+    del kept.new_block_ids[:], kept.replaced_slots[:], kept.replaced_block_indices[:]
+    del kept.replaced_block_ids[:]
+    kept.new_requests.extend(new for new in plan.new_requests if new.slot not in left_out)
+    for s, idx, b in zip(
+        plan.replaced_slots, plan.replaced_block_indices, plan.replaced_block_ids, strict=True
+    ):
+        if s not in left_out:
+            kept.replaced_slots.append(s)
+            kept.replaced_block_indices.append(idx)
+            kept.replaced_block_ids.append(b)
+    pos = 0
+    for s, k, nb in zip(plan.slots, plan.num_scheduled_tokens, plan.num_new_blocks, strict=True):
+        if s not in left_out:
+            kept.slots.append(s)
+            kept.num_scheduled_tokens.append(k)
+            kept.num_new_blocks.append(nb)
+            kept.new_block_ids.extend(plan.new_block_ids[pos : pos + nb])
+        pos += nb
+    return kept
 
 
 @dataclass
@@ -201,23 +267,60 @@ class SeqLog:
 class Driver:
     """Scheduler -> PlanBuilder -> FakeWorker, with `lag` results held back (pipelining)."""
 
-    def __init__(self, scheduler: Scheduler, lag: int = 0, check=None) -> None:
+    def __init__(
+        self, scheduler: Scheduler, lag: int = 0, check=None, refuse=None, strict: bool = True
+    ) -> None:
         cfg = scheduler.config
         self.scheduler = scheduler
         self.builder = PlanBuilder()
-        self.worker = FakeWorker(cfg.num_blocks, cfg.block_size)
+        self.worker = FakeWorker(cfg.num_blocks, cfg.block_size, refuse=refuse, strict=strict)
+        # What each request added through add() was, to recompute it as the engine does (see _take_failures).
+        self.originals: dict[str, engine_pb2.GenerateTokensRequest] = {}
+        self.eos: dict[str, frozenset[int]] = {}
         self.lag = lag
         self.check = check  # called after every schedule and every update
         self.in_flight: deque[tuple[SchedulerOutput, worker_pb2.StepResult]] = deque()
         self.logs: dict[tuple[str, int], SeqLog] = {}
         self.outputs: list[SchedulerOutput] = []
         self.plans: list[worker_pb2.StepPlan] = []
+        # Requests the core failed alone (Scheduler.take_failures), in order.
+        self.failures: list[RequestFailure] = []
+
+    def add(self, request: Request) -> None:
+        """Add a new request, remembering it so that it can be recomputed."""
+        self.originals[request.request_id] = engine_pb2.GenerateTokensRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.token_ids[: request.prompt_len],
+            sampling=request.sampling,
+            cache_salt=request.cache_salt,
+            priority=request.priority,
+        )
+        self.eos[request.request_id] = request.eos_token_ids
+        self.scheduler.add_request(request)
+
+    def _take_failures(self) -> None:
+        """Keep the failures; recompute each request the core gave back (retry) as the engine does: from
+        what its client has seen (RequestStream.core_requests)."""
+        for failure in self.scheduler.take_failures():
+            self.failures.append(failure)
+            if not failure.retry:
+                continue
+            msg, eos = self.originals[failure.request_id], self.eos[failure.request_id]
+            logs = [self.logs.get((msg.request_id, i), SeqLog()) for i in range(max(1, msg.sampling.n))]
+            if not any(log.tokens or log.finish_reason for log in logs):
+                self.scheduler.add_request(Request.from_generate_request(msg, eos, 0.0))
+                continue
+            for index, log in enumerate(logs):
+                if not log.finish_reason:
+                    self.scheduler.add_request(Request.resume(msg, index, log.tokens, eos, 0.0))
 
     def schedule(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
         plan = self.builder.build(out).plan
+        self._take_failures()
         result = self.worker.execute(plan)
-        assert self.builder.requests_at(out.step_id, list(result.sampled_slots)) == out.sampled
+        sampled = self.builder.requests_at(out.step_id, list(result.sampled_slots))
+        assert sampled == [r for r in out.sampled if self.builder.slot_of(r) not in result.refused_slots]
         self.outputs.append(out)
         self.plans.append(plan)
         self.in_flight.append((out, result))
@@ -227,8 +330,15 @@ class Driver:
 
     def update(self) -> list[RequestOutput]:
         out, result = self.in_flight.popleft()
-        outputs = self.scheduler.update_from_output(out, result)
+        refused = None
+        if result.refused_slots:
+            by_slot = self.builder.requests_by_slot(out.step_id)
+            refused = {
+                by_slot[s]: m for s, m in zip(result.refused_slots, result.refused_messages, strict=True)
+            }
+        outputs = self.scheduler.update_from_output(out, result, refused)
         self.record(outputs)
+        self._take_failures()
         if self.check:
             self.check()
         return outputs
@@ -304,6 +414,12 @@ def check_invariants(scheduler: Scheduler) -> None:
     holders = [0] * pool.num_blocks
     live = [r for group in scheduler._requests.values() for r in group]
     assert sorted(map(id, live)) == sorted(map(id, scheduler.running + scheduler.waiting))
+    # The waiting queue's weights: sequences (forks to come included) and their prompt plus max_output_tokens.
+    seqs = [1 + len(r.pending_forks) for r in scheduler.waiting]
+    assert scheduler.num_waiting_seqs == sum(seqs)
+    assert scheduler.num_waiting_tokens == sum(
+        k * (r.prompt_len + r.max_output_tokens) for k, r in zip(seqs, scheduler.waiting, strict=True)
+    )
     for req in live:
         if req.status is RequestStatus.WAITING:
             assert not req.block_table and req.num_computed_tokens == 0
@@ -335,6 +451,17 @@ def check_invariants(scheduler: Scheduler) -> None:
                 # NOTE: whoever holds a node holds its ancestors, so nothing below is held.
                 assert all(not c.referenced for c in node.children.values())
         assert cached_unref == cache.num_evictable
+        # Per-salt state is bounded: a root lives while it has blocks, and there are at most the cap.
+        roots = cache.roots()
+        assert len(roots) <= scheduler.config.max_cache_salts
+        assert all(
+            r.alive and r.parent is None and r.children and cache.find_root(r.salt) is r for r in roots
+        )
+        for node in cache.cached_nodes():
+            top = node
+            while top.parent is not None:
+                top = top.parent
+            assert top.alive and cache.find_root(top.salt) is top, "a cached block under a dead root"
     in_use = sum(1 for c in pool.ref_counts if c > 0)
     assert len(free) + cached_unref + in_use == pool.num_blocks
     assert pool.num_used_blocks == in_use

@@ -223,6 +223,17 @@ def test_worker_killed_mid_stream_streams_finish_on_the_other_and_the_launcher_r
             os.kill(pid, 0)
 
 
+def _busy_worker(stack: Stack, timeout: float = 60.0) -> str:
+    """A worker that is computing requests right now (it has tokens streamed already)."""
+
+    def busiest() -> str | None:
+        stats = stack.engine_stats()
+        busy = [w for w in stats.workers if w.healthy and w.num_running > 0 and w.num_steps > 2]
+        return max(busy, key=lambda w: w.num_running).worker_id if busy else None
+
+    return wait_for(busiest, timeout, what="no worker became busy", interval=0.01)
+
+
 def _dead_worker(stack: Stack) -> str:
     """A worker whose process is gone: the one the test before killed, or one killed now."""
     dead = [wid for wid, process in stack.workers.items() if process.poll() is not None]
@@ -245,6 +256,31 @@ def test_restarted_worker_registers_again_and_takes_new_work(stack, client, refe
     assert [r[0] for r in results] == [r[0] for r in reference * 2]
     after = {w.worker_id: w.num_steps for w in stack.engine_stats().workers}
     assert after[dead] > before.get(dead, 0), (before, after)
+    stack.wait_idle()
+
+
+def test_sigterm_drains_a_worker_its_streams_continue_elsewhere_with_fault_free_text(
+    stack, client, reference
+):
+    with ThreadPoolExecutor(len(reference)) as pool:
+        futures = [pool.submit(stream_completion, client, b) for b in _bodies()]
+        leaving = _busy_worker(stack)
+        os.killpg(stack.workers[leaving].pid, signal.SIGTERM)
+        results = [f.result(timeout=120) for f in futures]
+    for (text, _, finish), (ref_text, _, ref_finish) in zip(results, reference, strict=True):
+        assert text == ref_text  # nothing lost or repeated across the move
+        assert finish == ref_finish == "length"
+    # It leaves once the scheduler has moved its requests and closed its stream, not at its grace's end.
+    assert stack.workers[leaving].wait(60) == 0
+    assert leaving not in {w.worker_id for w in stack.engine_stats().workers}
+    drained = [
+        json.loads(line)
+        for line in (stack.log_dir / "scheduler.log").read_text().splitlines()
+        if '"worker_drained"' in line
+    ]
+    assert any(e["worker_id"] == leaving and e["requests_moved"] > 0 for e in drained), drained
+    stack.start_worker(leaving)
+    stack.wait_workers(2, timeout=120, including=leaving)
     stack.wait_idle()
 
 

@@ -2,6 +2,7 @@ from scheduler_fakes import Driver, check_invariants, make_request
 
 from pagedserve.scheduler_svc.block_pool import BlockPool
 from pagedserve.scheduler_svc.config import SchedulerConfig
+from pagedserve.scheduler_svc.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler_svc.prefix_cache import PrefixCache
 from pagedserve.scheduler_svc.scheduler import Scheduler
 
@@ -262,3 +263,89 @@ def test_forks_after_a_hit_that_covers_all_but_the_last_prompt_token_keep_the_co
     )
     d.run()
     assert d.logs[("b", 0)].num_cached_tokens == 9
+
+
+# ---------------------------------------------------------------- per-salt state is bounded
+
+
+def test_a_salts_root_goes_away_with_its_last_block():
+    cache, pool = _cache(num_blocks=2)
+    (block,) = _chain(cache, pool, [(1, 2)], salt="tenant")
+    pool.free([block])
+    assert cache.num_roots == 1
+    assert pool.allocate(2) == [1, block]  # the free block, then the cached one, evicted
+    assert cache.num_roots == 0 and cache.find_root("tenant") is None
+
+
+def _run_salted(s: Scheduler, d: Driver, rid: str, salt: str, prompt: list[int]) -> None:
+    s.add_request(make_request(rid, prompt, salt=salt, max_tokens=1, eos=None))
+    d.run()
+
+
+def test_a_new_salt_past_the_cap_evicts_the_least_recently_used_salt_no_request_holds():
+    s = _scheduler(max_cache_salts=2)
+    d = Driver(s, check=lambda: check_invariants(s))
+    prompt = list(range(10, 19))  # two full blocks cached per request
+    _run_salted(s, d, "a", "x", prompt)
+    _run_salted(s, d, "b", "y", prompt)
+    _run_salted(s, d, "c", "x", prompt)  # a hit: x is now the more recently used salt
+    free = s.kv.pool.num_uncached_free_blocks
+    _run_salted(s, d, "d", "z", prompt)
+    assert sorted(r.salt for r in s.kv.cache.roots()) == ["x", "z"]
+    # y's two blocks went back to the free pool with it (z's request took two others, one stays cached).
+    assert s.kv.pool.num_uncached_free_blocks == free + 2 - 3 + 1
+
+
+def test_a_new_salt_past_the_cap_runs_without_prefix_caching_while_every_salt_is_held():
+    s = _scheduler(max_cache_salts=1)
+    d = Driver(s, check=lambda: check_invariants(s))
+    s.add_request(make_request("holder", list(range(10, 19)), salt="x", max_tokens=30, eos=None))
+    d.step()
+    s.add_request(make_request("newcomer", list(range(10, 19)), salt="y", max_tokens=2, eos=None))
+    d.step()
+    newcomer = next(r for r in s.running if r.request_id == "newcomer")
+    assert newcomer.cache_node is None and [r.salt for r in s.kv.cache.roots()] == ["x"]
+    d.run()
+    assert d.logs[("newcomer", 0)].tokens == d.logs[("holder", 0)].tokens[:2]
+
+
+def test_a_request_admitted_at_its_salts_root_inserts_under_a_live_one_after_the_root_went_away():
+    # The salt's root the request was admitted under loses its last block before the request fills its first
+    # one: that block goes under a root made again, never under the dead one.
+    kv = KVCacheManager(SchedulerConfig(num_blocks=3, block_size=BS, max_num_seqs=2, max_model_len=12))
+    first = make_request("first", [40, 41, 42, 43, 44], salt="x")
+    kv.admit(first, kv.lookup(first, 1), [])
+    assert kv.allocate_slots(first, 5, [])
+    first.num_computed_tokens = 5
+    kv.cache_full_blocks(first, 1)
+    kv.free(first)
+    old_root = kv.cache.find_root("x")
+    late = make_request("late", list(range(1, 10)), salt="x")
+    kv.admit(late, kv.lookup(late, 2), [])
+    assert kv.allocate_slots(late, 3, [])
+    late.num_computed_tokens = 3
+    taken = kv.pool.allocate(kv.pool.num_free_blocks)  # the last one is x's cached block, evicted
+    assert not old_root.alive and kv.cache.find_root("x") is None
+    kv.pool.free(taken)
+    assert kv.allocate_slots(late, 1, [])
+    late.num_computed_tokens = 4
+    kv.cache_full_blocks(late, 3)
+    root = kv.cache.find_root("x")
+    assert root is not None and root is not old_root and root.alive
+    assert late.cache_node.parent is root and late.num_cached_blocks == 1
+
+
+def test_salt_roots_stay_capped_under_10000_distinct_salts():
+    s = _scheduler(num_blocks=64, max_num_seqs=16, max_cache_salts=8)
+    d = Driver(s)
+    prompt = list(range(10, 19))
+    most = 0
+    for i in range(10_000):
+        s.add_request(make_request(f"r{i}", prompt, salt=f"tenant-{i}", max_tokens=1, eos=None))
+        if i % 16 == 15:
+            d.run()
+            most = max(most, s.kv.cache.num_roots)
+    d.run()
+    check_invariants(s)
+    assert s.kv.cache.num_roots <= 8 and most <= 8
+    assert s.kv.cache.num_cached_blocks <= 8 * 2 and len(s.kv.cache._roots) == s.kv.cache.num_roots

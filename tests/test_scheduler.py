@@ -2,7 +2,8 @@ import pytest
 from scheduler_fakes import EOS, Driver, SeqLog, check_invariants, expected_tokens, make_request
 
 from pagedserve.scheduler_svc.config import SchedulerConfig
-from pagedserve.scheduler_svc.request import RequestStatus
+from pagedserve.scheduler_svc.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler_svc.request import Request, RequestStatus
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.v1 import common_pb2
 
@@ -538,3 +539,108 @@ def test_prompt_logprobs_request_computes_its_whole_prompt_despite_a_prefix_hit(
     assert new["plain"].num_computed_tokens == 12
     assert new["scored"].num_computed_tokens == 0
     assert d.logs[("scored", 0)].num_cached_tokens == 0
+
+
+# ---------------------------------------------------------------- one request's failure fails it alone
+
+
+def _others_finish_right(d: Driver, prompts: dict[str, list[int]], seed: int = 0) -> None:
+    for rid, prompt in prompts.items():
+        log = d.logs[(rid, 0)]
+        assert log.finish_reason == LENGTH and log.tokens == expected_tokens(prompt, seed, len(log.tokens))
+
+
+def test_an_exception_while_forking_fails_that_request_alone_and_the_step_goes_on(monkeypatch):
+    # The seed overflow of an n > 1 request raised here once and took the whole worker down with it.
+    s, d = _setup()
+    fork = Request.fork
+
+    def poisoned_fork(self, index):
+        if self.request_id == "poison":
+            raise OverflowError("Value out of range: 18446744073709551616")
+        return fork(self, index)
+
+    monkeypatch.setattr(Request, "fork", poisoned_fork)
+    prompts = {f"r{i}": _prompt(9, 3 * i) for i in range(3)}
+    d.add(make_request("r0", prompts["r0"], max_tokens=6, eos=None))
+    d.add(make_request("poison", _prompt(9, 30), max_tokens=6, n=2, eos=None))
+    for rid in ("r1", "r2"):
+        d.add(make_request(rid, prompts[rid], max_tokens=6, eos=None))
+    d.run()
+    (failure,) = d.failures
+    assert failure.request_id == "poison" and not failure.retry
+    assert "request 'poison' failed while forking its sequences: OverflowError" in failure.message
+    _others_finish_right(d, prompts)
+    assert s.kv.pool.num_used_blocks == 0 and not s.has_unfinished_requests()
+
+
+def test_an_exception_while_taking_a_token_fails_that_request_alone(monkeypatch):
+    s, d = _setup(lag=1)
+    check_stop = Request.check_stop
+
+    def poisoned_check_stop(self, token_id):
+        if self.request_id == "poison" and self.num_output_tokens == 3:
+            raise KeyError("bookkeeping")
+        return check_stop(self, token_id)
+
+    monkeypatch.setattr(Request, "check_stop", poisoned_check_stop)
+    prompts = {f"r{i}": _prompt(7, 5 * i) for i in range(3)}
+    for rid in ("r0", "poison", "r1", "r2"):
+        d.add(make_request(rid, prompts.get(rid, _prompt(7, 40)), max_tokens=8, eos=None))
+    d.run()
+    (failure,) = d.failures
+    assert failure.message.startswith("request 'poison' failed while taking its sampled token: KeyError")
+    assert len(d.logs[("poison", 0)].tokens) == 2  # its third token never reached the client
+    _others_finish_right(d, prompts)
+    assert s.kv.pool.num_used_blocks == 0
+
+
+def test_a_failure_while_scheduling_uncaches_what_it_was_to_compute(monkeypatch):
+    # The poison caches its prompt's blocks (for the requests after it to share) and then fails: its part of
+    # the step is never sent, so those blocks are never computed. They leave the cache at once: the request
+    # after it in the same step computes its prompt itself (the strict fake worker would raise on a read of
+    # blocks never computed).
+    _, d = _setup()
+    cache_full_blocks = KVCacheManager.cache_full_blocks
+
+    def poisoned(self, req, step):
+        cache_full_blocks(self, req, step)
+        if req.request_id == "poison":
+            raise RuntimeError("after caching")
+
+    monkeypatch.setattr(KVCacheManager, "cache_full_blocks", poisoned)
+    prompt = _prompt(12)
+    d.add(make_request("poison", prompt, max_tokens=4, eos=None))
+    d.add(make_request("sharer", prompt, max_tokens=4, eos=None))
+    out = d.step()
+    assert [(r.request_id, n) for r, n in zip(out.scheduled, out.num_scheduled_tokens, strict=True)] == [
+        ("sharer", 12)
+    ]
+    assert [(f.request_id, f.retry) for f in d.failures] == [("poison", False)]
+    assert (
+        "request 'poison' failed while being admitted: RuntimeError: after caching" in d.failures[0].message
+    )
+    d.run()
+    _others_finish_right(d, {"sharer": prompt})
+
+
+def test_a_request_the_worker_refuses_fails_alone_and_one_that_shared_its_blocks_is_recomputed():
+    # The worker leaves the refused request out of its step, so the blocks it cached are never computed;
+    # a request that hit them in the same step read garbage there (a non-strict fake, as a real worker):
+    # its tokens from that step are dropped and it is recomputed, with the reference tokens in the end.
+    s = Scheduler(SchedulerConfig(num_blocks=64, block_size=BS, max_num_seqs=8, max_num_batched_tokens=64))
+    d = Driver(s, lag=1, refuse=lambda new: "refused" if new.request_id == "poison" else None, strict=False)
+    prompt = _prompt(12)
+    d.add(make_request("poison", [*prompt, 50], max_tokens=4, eos=None))
+    d.add(make_request("sharer", [*prompt, 51], max_tokens=4, eos=None))
+    d.add(make_request("other", _prompt(6, 30), max_tokens=4, eos=None, salt="elsewhere"))
+    out = d.step()
+    assert out.num_scheduled_tokens == [13, 1, 6]  # the sharer hit the poison's 3 blocks
+    d.run()
+    assert [(f.request_id, f.retry) for f in d.failures] == [("poison", False), ("sharer", True)]
+    assert d.failures[0].message == (
+        "request 'poison' failed: its worker refused it: new request 'poison' (slot 0): refused"
+    )
+    _others_finish_right(d, {"sharer": [*prompt, 51], "other": _prompt(6, 30)})
+    check_invariants(s)
+    assert s.kv.pool.num_used_blocks == 0

@@ -414,22 +414,19 @@ BROKEN_PLANS = {
         lambda: worker_pb2.StepPlan(step_id=2, slots=[0, 1], num_scheduled_tokens=[1], num_new_blocks=[0, 0]),
         "slots, num_scheduled_tokens and num_new_blocks differ in length",
     ),
-    "new request computed beyond its tokens": (
-        lambda: plan(2, [(4, 1, [5])], new_requests=[new_request(4, [1, 2], num_computed_tokens=3)]),
-        "num_computed_tokens 3 exceeds its 2 tokens",
+    "a refused new request in a plan broken otherwise": (
+        lambda: plan(
+            2,
+            [(0, 1, []), (4, 2, [5])],
+            new_requests=[new_request(4, [1, TINY_VOCAB])],
+            copy_src_blocks=[1],
+            copy_dst_blocks=[NUM_BLOCKS + 3],
+        ),
+        f"copy destination block id {NUM_BLOCKS + 3} is out of range",
     ),
-    "new request prompt longer than its tokens": (
-        lambda: plan(2, new_requests=[new_request(4, [1, 2], prompt_len=3)]),
-        "prompt_len 3 is not in 1..2",
-    ),
-    "new request without tokens": (lambda: plan(2, new_requests=[new_request(4, [])]), "no token ids"),
-    "token outside the vocabulary": (
-        lambda: plan(2, new_requests=[new_request(4, [1, TINY_VOCAB])]),
-        f"token id {TINY_VOCAB} is outside the vocabulary",
-    ),
-    "bad sampling parameter": (
-        lambda: plan(2, new_requests=[new_request(4, [1, 2], top_p=0.0)]),
-        "new request 'req-4' (slot 4): top_p must be in (0, 1]",
+    "a new request with bad content in a live slot": (
+        lambda: plan(2, [(0, 1, [])], new_requests=[new_request(1, [1, TINY_VOCAB])]),
+        "new request 'req-1' (slot 1): slot 1 is live",
     ),
     "position beyond max_model_len": (
         lambda: plan(
@@ -458,6 +455,67 @@ def test_broken_plan_is_refused_naming_the_problem_and_changes_nothing(model_dir
     got, expected = runner.execute(decode_plan(2)), untouched.execute(decode_plan(2))
     assert list(got.sampled_slots) == list(expected.sampled_slots) == [0, 1]
     assert list(got.sampled_token_ids) == list(expected.sampled_token_ids)
+    assert snapshot(runner) == snapshot(untouched)
+
+
+# ---- a new request the worker refuses fails alone ---------------------------------------------
+
+
+REFUSED_REQUESTS = {
+    "computed beyond its tokens": (
+        lambda: new_request(4, [1, 2], num_computed_tokens=3),
+        "num_computed_tokens 3 exceeds its 2 tokens",
+    ),
+    "prompt longer than its tokens": (
+        lambda: new_request(4, [1, 2], prompt_len=3),
+        "prompt_len 3 is not in 1..2 (its token count)",
+    ),
+    "without tokens": (lambda: new_request(4, []), "no token ids"),
+    "token outside the vocabulary": (
+        lambda: new_request(4, [1, TINY_VOCAB]),
+        f"token id {TINY_VOCAB} is outside the vocabulary",
+    ),
+    "bad sampling parameter": (lambda: new_request(4, [1, 2], top_p=0.0), "top_p must be in (0, 1]"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_REQUESTS), ids=list(REFUSED_REQUESTS))
+def test_a_refused_new_request_is_left_out_alone_until_freed_and_the_rest_of_each_plan_runs(model_dir, case):
+    make, problem = REFUSED_REQUESTS[case]
+    runner = make_runner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    untouched = make_runner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    runner.execute(first_plan())
+    untouched.execute(first_plan())
+
+    def same_as_untouched(got: worker_pb2.StepResult, expected: worker_pb2.StepResult) -> None:
+        assert list(got.sampled_slots) == list(expected.sampled_slots) == [0, 1]
+        assert list(got.sampled_token_ids) == list(expected.sampled_token_ids)
+        assert list(runner.refused) == [4]
+        assert {**snapshot(runner), "refused": {}} == snapshot(untouched)
+
+    # The bad request enters slot 4 beside two decodes, as a scheduler would send it (its first blocks too).
+    got = runner.execute(plan(2, [(0, 1, []), (4, 1, [5]), (1, 1, [])], new_requests=[make()]))
+    assert list(got.refused_slots) == [4]
+    assert got.refused_messages[0].startswith(f"new request 'req-4' (slot 4): {problem}")
+    same_as_untouched(got, untouched.execute(decode_plan(2)))
+    # A plan sent before the scheduler heard of it schedules it again: left out and named again.
+    got = runner.execute(plan(3, [(0, 1, []), (1, 1, []), (4, 1, [6])], replaced_slots=[4],
+                              replaced_block_indices=[0], replaced_block_ids=[7]))  # fmt: skip
+    assert list(got.refused_slots) == [4] and problem in got.refused_messages[0]
+    same_as_untouched(got, untouched.execute(decode_plan(3)))
+    # Once the scheduler frees the slot (it failed the request) the slot takes a new request.
+    got = runner.execute(
+        plan(
+            4,
+            [(0, 1, [10]), (4, len(PROMPT_B), [8, 9])],
+            finished_slots=[4],
+            new_requests=[new_request(4, PROMPT_B)],
+        )
+    )
+    assert not got.refused_slots and list(got.sampled_slots) == [0, 4] and not runner.refused
+    untouched.execute(
+        plan(4, [(0, 1, [10]), (4, len(PROMPT_B), [8, 9])], new_requests=[new_request(4, PROMPT_B)])
+    )
     assert snapshot(runner) == snapshot(untouched)
 
 

@@ -416,11 +416,16 @@ class RecordingEngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self) -> None:
         self.requests: list[engine_pb2.RegisterWorkerRequest] = []
         self.arrived = asyncio.Event()
+        self.drains: list[engine_pb2.DrainWorkerRequest] = []
 
     async def RegisterWorker(self, request, context):
         self.requests.append(request)
         self.arrived.set()
         return engine_pb2.RegisterWorkerResponse(accepted=True)
+
+    async def DrainWorker(self, request, context):
+        self.drains.append(request)
+        return engine_pb2.DrainWorkerResponse(drained=True, num_requests_moved=3)
 
 
 async def start_recording_engine(port: int) -> tuple[grpc.aio.Server, RecordingEngineServicer]:
@@ -487,6 +492,28 @@ async def test_worker_registers_when_the_scheduler_appears_and_again_after_each_
     )
     assert request.max_model_len == 256
     assert all(r == [request] for r in requests)
+
+
+@pytest.mark.anyio
+async def test_draining_tells_the_scheduler_the_worker_is_leaving_and_stops_registering(model_dir):
+    port = free_port()
+    engine, servicer = await start_recording_engine(port)
+    worker = await start_worker(model_dir, scheduler=f"127.0.0.1:{port}", advertise_address="worker-a:7001")
+    try:
+        await asyncio.wait_for(worker.registrar.registered.wait(), timeout=15)
+        # DrainWorker answers once the scheduler has moved the worker's requests and closed its stream.
+        assert await worker.drain(timeout=10)
+        assert [(r.worker_id, r.address) for r in servicer.drains] == [("worker-test", "worker-a:7001")]
+        assert worker._register_task.done()  # it does not announce itself again while it goes
+    finally:
+        await worker.stop(grace=None)
+        await engine.stop(grace=None)
+    # With no scheduler to tell, a drain is over at once.
+    alone = await start_worker(model_dir)
+    try:
+        assert not await alone.drain(timeout=10)
+    finally:
+        await alone.stop(grace=None)
 
 
 # ---- configuration ------------------------------------------------------------------------------

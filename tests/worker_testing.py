@@ -112,6 +112,7 @@ def snapshot(runner: ModelRunner) -> dict:
     """Everything the runner knows about its requests, comparable with ==."""
     return {
         "last_step_id": runner.last_step_id,
+        "refused": dict(runner.refused),
         "slots": {
             slot: (
                 state.request_id,

@@ -80,6 +80,8 @@ class WorkerConfig(ServiceTLSFields):
     scheduler: str | None = None
     # Stable id of this worker; None: "<hostname>-<pid>".
     worker_id: str | None = None
+    # Seconds SIGTERM waits for the scheduler to move this worker's requests elsewhere and close its stream.
+    drain_timeout: float = 30.0
     # Logging level, and JSON (True) or console output.
     log_level: str = "info"
     log_json: bool = True
@@ -101,6 +103,8 @@ class WorkerConfig(ServiceTLSFields):
             raise ValueError(f"threads must be positive, not {self.threads}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, not {self.port}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must not be negative, not {self.drain_timeout}")
         if self.worker_id is None:
             self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
 
@@ -184,6 +188,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     add("--scheduler", str, "scheduler address (host:port) to register with")
     add("--worker-id", str, "stable worker id (default: hostname-pid)")
+    add(
+        "--drain-timeout",
+        float,
+        "seconds SIGTERM waits for the scheduler to move this worker's requests",
+        default=30.0,
+    )
 
     add_tls_arguments(add, flags.add_bool)
     add("--log-level", str, "debug, info, warning, error", default="info")

@@ -82,6 +82,9 @@ class ModelRunner:
         self._argmax_append = getattr(self.ops, "argmax_append_", None) if cpu else None
         self._share_arrays()
         self.slots: dict[int, SlotState] = {}
+        # Slots whose NewRequest was refused (see _refusals), with why: left out of every plan that
+        # schedules them until a plan frees them; the scheduler fails their requests meanwhile.
+        self.refused: dict[int, str] = {}
         # Live slots whose tokens the sampler draws: any but argmax_only ones (see SlotSamplingState).
         self._sampler_slots: set[int] = set()
         self.last_step_id = 0
@@ -92,6 +95,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request; the next plan must have step id 1."""
         self.slots.clear()
+        self.refused.clear()
         self._sampler_slots.clear()
         self.last_step_id = 0
         self._idle_since = None
@@ -140,9 +144,16 @@ class ModelRunner:
     ) -> tuple[float, float, int]:
         """Any plan, its outcome written into result: the start and end of its forward pass, and the tokens
         it computed."""
+        refused = self._refusals(plan) if plan.new_requests or self.refused else None
+        if refused:
+            plan = _without_slots(plan, refused)
         self._validate(plan)
         self._apply(plan)
         result.step_id = plan.step_id
+        if refused:
+            self.refused.update(refused)
+            result.refused_slots.extend(refused)
+            result.refused_messages.extend(refused.values())
         batch = self._batch(plan)
         t1 = t2 = time.perf_counter()
         if batch is None:
@@ -296,7 +307,7 @@ class ModelRunner:
         freed: set[int] = set()
         for kind, slots in (("finished", plan.finished_slots), ("preempted", plan.preempted_slots)):
             for slot in slots:
-                if slot not in self.slots:
+                if slot not in self.slots and slot not in self.refused:
                     fail(f"{kind} slot {slot} is not live")
                 if slot in freed:
                     fail(f"slot {slot} is freed twice")
@@ -309,20 +320,10 @@ class ModelRunner:
             where = f"new request {req.request_id!r} (slot {slot})"
             if slot >= MAX_SLOTS:
                 fail(f"{where}: slot is out of range (max {MAX_SLOTS - 1})")
-            if (slot in self.slots and slot not in freed) or slot in new:
+            if ((slot in self.slots or slot in self.refused) and slot not in freed) or slot in new:
                 fail(f"{where}: slot {slot} is live")
-            if n == 0:
-                fail(f"{where}: no token ids")
-            if not 0 < req.prompt_len <= n:
-                fail(f"{where}: prompt_len {req.prompt_len} is not in 1..{n} (its token count)")
-            if req.num_computed_tokens > n:
-                fail(f"{where}: num_computed_tokens {req.num_computed_tokens} exceeds its {n} tokens")
-            if max(req.token_ids) >= self.vocab_size:
-                fail(f"{where}: token id {max(req.token_ids)} is outside the vocabulary ({self.vocab_size})")
-            try:
-                _sampling_state(req).check(self.vocab_size)
-            except ValueError as exc:
-                fail(f"{where}: {exc}")
+            # NOTE: its own content (tokens, lengths, sampling) was checked by _refusals, which leaves a
+            # refused one out of the plan.
             new[slot] = req
 
         def live(slot: int) -> bool:
@@ -384,12 +385,54 @@ class ModelRunner:
             if slot not in scheduled and req.num_computed_tokens > 0:
                 fail(f"slot {slot}: {req.num_computed_tokens} computed tokens but no block table")
 
+    def _refusal(self, req: worker_pb2.NewRequest) -> str | None:
+        """What is wrong with a new request's own content (its tokens, lengths and sampling), or None."""
+        n = len(req.token_ids)
+        if n == 0:
+            return "no token ids"
+        if not 0 < req.prompt_len <= n:
+            return f"prompt_len {req.prompt_len} is not in 1..{n} (its token count)"
+        if req.num_computed_tokens > n:
+            return f"num_computed_tokens {req.num_computed_tokens} exceeds its {n} tokens"
+        if max(req.token_ids) >= self.vocab_size:
+            return f"token id {max(req.token_ids)} is outside the vocabulary ({self.vocab_size})"
+        try:
+            _sampling_state(req).check(self.vocab_size)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def _refusals(self, plan: worker_pb2.StepPlan) -> dict[int, str]:
+        """The slots to leave out of this plan, with why: new requests whose content is refused (each fails
+        alone, the rest of the plan runs) and slots refused before that the plan schedules again. No side
+        effect. Nothing is left out of a plan whose new requests break the protocol (a slot out of range,
+        live or taken twice): _validate refuses it whole."""
+        freed = {*plan.finished_slots, *plan.preempted_slots}
+        refused = {}
+        if self.refused:
+            touched = {*plan.slots, *plan.replaced_slots}
+            refused = {s: message for s, message in self.refused.items() if s in touched and s not in freed}
+        taken: set[int] = set()
+        for req in plan.new_requests:
+            slot = req.slot
+            if (
+                slot >= MAX_SLOTS
+                or slot in taken
+                or ((slot in self.slots or slot in self.refused) and slot not in freed)
+            ):
+                return {}  # the plan breaks the protocol: _validate refuses it whole
+            taken.add(slot)
+            if (problem := self._refusal(req)) is not None:
+                refused[slot] = f"new request {req.request_id!r} (slot {slot}): {problem}"
+        return refused
+
     # ---- applying a plan, in the order worker.proto gives ----------------------------------------
 
     def _apply(self, plan: worker_pb2.StepPlan) -> None:
         for slot in (*plan.finished_slots, *plan.preempted_slots):
-            del self.slots[slot]
-            self._sampler_slots.discard(slot)
+            if self.refused.pop(slot, None) is None:
+                del self.slots[slot]
+                self._sampler_slots.discard(slot)
         for req in plan.new_requests:
             n = len(req.token_ids)
             self._reserve(req.slot, n + 1, 0)
@@ -604,6 +647,45 @@ def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     cold after every forward pass (the weights have streamed through the caches)."""
     tensor = torch.from_numpy(array)
     return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
+
+
+def _without_slots(plan: worker_pb2.StepPlan, left_out: Iterable[int]) -> worker_pb2.StepPlan:
+    """The plan with these slots' new requests, batch entries (and their new blocks) and block table
+    replacements left out; a plan whose parallel arrays disagree is returned as it is (_validate refuses it)."""
+    n = len(plan.slots)
+    if not (
+        len(plan.num_scheduled_tokens) == len(plan.num_new_blocks) == n
+        and sum(plan.num_new_blocks) == len(plan.new_block_ids)
+        and len(plan.replaced_slots) == len(plan.replaced_block_indices) == len(plan.replaced_block_ids)
+    ):
+        return plan
+    left_out = set(left_out)
+    kept = worker_pb2.StepPlan(
+        step_id=plan.step_id,
+        finished_slots=plan.finished_slots,
+        preempted_slots=plan.preempted_slots,
+        new_requests=[req for req in plan.new_requests if req.slot not in left_out],
+        copy_src_blocks=plan.copy_src_blocks,
+        copy_dst_blocks=plan.copy_dst_blocks,
+    )
+    for slot, index, block in zip(
+        plan.replaced_slots, plan.replaced_block_indices, plan.replaced_block_ids, strict=True
+    ):
+        if slot not in left_out:
+            kept.replaced_slots.append(slot)
+            kept.replaced_block_indices.append(index)
+            kept.replaced_block_ids.append(block)
+    offset = 0
+    for slot, tokens, appended in zip(
+        plan.slots, plan.num_scheduled_tokens, plan.num_new_blocks, strict=True
+    ):
+        if slot not in left_out:
+            kept.slots.append(slot)
+            kept.num_scheduled_tokens.append(tokens)
+            kept.num_new_blocks.append(appended)
+            kept.new_block_ids.extend(plan.new_block_ids[offset : offset + appended])
+        offset += appended
+    return kept
 
 
 def _sampling_state(req: worker_pb2.NewRequest) -> SlotSamplingState:

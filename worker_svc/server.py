@@ -506,11 +506,35 @@ class WorkerServer:
             )
             self._register_task = asyncio.create_task(self.registrar.run())
 
-    async def stop(self, grace: float | None = 1.0) -> None:
+    async def drain(self, timeout: float) -> bool:
+        """Tell the scheduler this worker is leaving, and wait until it has moved the worker's requests to
+        other workers and closed its Steps stream (DrainWorker answers then), or timeout seconds. Whether
+        it did."""
+        await self._stop_registering()
+        if not self.config.scheduler:
+            return False
+        request = engine_pb2.DrainWorkerRequest(worker_id=self.config.worker_id, address=self.address)
+        async with open_channel(
+            self.config.scheduler, self.config.tls, auth=self.config.cluster_auth
+        ) as channel:
+            try:
+                response = await engine_pb2_grpc.EngineServiceStub(channel).DrainWorker(
+                    request, timeout=timeout
+                )
+            except grpc.RpcError as error:
+                log.warning("drain_failed", scheduler=self.config.scheduler, code=error.code().name)
+                return False
+        log.info("drained", drained=response.drained, requests_moved=response.num_requests_moved)
+        return response.drained
+
+    async def _stop_registering(self) -> None:
         if self._register_task is not None:
             self._register_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._register_task
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        await self._stop_registering()
         await set_serving(self.health, [SERVICE_NAME], False)
         await self.server.stop(grace)
         self.servicer.executor.shutdown(wait=True)
@@ -539,6 +563,15 @@ async def serve(config: WorkerConfig) -> None:
     await server.start()
     stop = stop_on_signals()
     await stop.wait()
+    # NOTE: the scheduler moves this worker's requests to the others (recomputed, nothing lost) and
+    # closes its stream before we go; a second signal stops at once.
+    log.info("draining", timeout=config.drain_timeout)
+    stop.clear()
+    drained = asyncio.ensure_future(server.drain(config.drain_timeout))
+    second_signal = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({drained, second_signal}, return_when=asyncio.FIRST_COMPLETED)
+    drained.cancel()
+    second_signal.cancel()
     log.info("stopping")
     await server.stop(grace=5.0)
 

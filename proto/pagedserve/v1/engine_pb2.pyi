@@ -211,3 +211,19 @@ class RegisterWorkerResponse(_message.Message):
     accepted: bool
     message: str
     def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DrainWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "address")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class DrainWorkerResponse(_message.Message):
+    __slots__ = ("drained", "num_requests_moved")
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    drained: bool
+    num_requests_moved: int
+    def __init__(self, drained: _Optional[bool] = ..., num_requests_moved: _Optional[int] = ...) -> None: ...

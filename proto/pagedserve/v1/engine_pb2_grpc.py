@@ -59,6 +59,11 @@ class EngineServiceStub:
                 request_serializer=pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerResponse.FromString,
                 _registered_method=True)
+        self.DrainWorker = channel.unary_unary(
+                '/pagedserve.v1.EngineService/DrainWorker',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.DrainWorkerRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.DrainWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -101,6 +106,14 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainWorker(self, request, context):
+        """A worker is leaving (SIGTERM): the scheduler stops routing to it, lets its steps in flight finish,
+        moves its requests to the other workers by recomputation and closes its Steps stream; answers then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +141,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.RegisterWorker,
                     request_deserializer=pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerResponse.SerializeToString,
+            ),
+            'DrainWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainWorker,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.DrainWorkerRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.DrainWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +283,33 @@ class EngineService:
             '/pagedserve.v1.EngineService/RegisterWorker',
             pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerRequest.SerializeToString,
             pagedserve_dot_v1_dot_engine__pb2.RegisterWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/DrainWorker',
+            pagedserve_dot_v1_dot_engine__pb2.DrainWorkerRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.DrainWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

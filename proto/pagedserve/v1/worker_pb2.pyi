@@ -101,7 +101,7 @@ class StepTimings(_message.Message):
     def __init__(self, idle_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., num_tokens: _Optional[int] = ..., gap_seconds: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_slots", "sampled_token_ids", "sampled_logprobs", "sampled_ranks", "num_top_logprobs", "top_token_ids", "top_logprobs", "prompt_logprobs", "timings")
+    __slots__ = ("step_id", "sampled_slots", "sampled_token_ids", "sampled_logprobs", "sampled_ranks", "num_top_logprobs", "top_token_ids", "top_logprobs", "prompt_logprobs", "timings", "refused_slots", "refused_messages")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,8 @@ class StepResult(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_slots: _containers.RepeatedScalarFieldContainer[int]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -122,7 +124,9 @@ class StepResult(_message.Message):
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     timings: StepTimings
-    def __init__(self, step_id: _Optional[int] = ..., sampled_slots: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., sampled_ranks: _Optional[_Iterable[int]] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ...) -> None: ...
+    refused_slots: _containers.RepeatedScalarFieldContainer[int]
+    refused_messages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_slots: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., sampled_ranks: _Optional[_Iterable[int]] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., refused_slots: _Optional[_Iterable[int]] = ..., refused_messages: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()
