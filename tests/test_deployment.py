@@ -146,7 +146,7 @@ def test_every_long_running_service_has_a_healthcheck_that_probes_its_own_port(s
         if args.grpc:
             assert args.grpc == f"localhost:{command.port}", name
         else:
-            assert args.http == f"http://localhost:{command.port}/health", name
+            assert args.http == f"http://localhost:{command.port}/ready", name
         assert "start_period" in service["healthcheck"], f"{name} loads a model before it is healthy"
 
 
