@@ -10,11 +10,17 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from stack_testing import Stack, assert_openai_error, running
+from stack_testing import Stack, assert_openai_error, running, wait_for
 
 from pagedserve.grpc_utils import TLSConfig, open_sync_channel
 from pagedserve.internal_tls import generate
-from pagedserve.proto import engine_pb2, engine_pb2_grpc
+from pagedserve.proto import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    text_generation_pb2,
+    text_generation_pb2_grpc,
+)
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 # Long enough for several full blocks (block size 16) of shared prefix.
@@ -98,6 +104,32 @@ def test_tenants_never_share_cached_blocks_but_one_tenant_does(stack):
         # Within a tenant, a different cache_salt is a different partition.
         a_salted = a.post("/v1/completions", json={**body, "cache_salt": "private"}).json()
         assert a_salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+@pytest.mark.slow
+def test_two_tenants_reusing_one_request_id_never_reach_each_others_request(stack):
+    """Both run side by side under the id they chose; tenant A's request ends early (its client gone, so
+    the gateway aborts it) and tenant B's, same id, is served whole."""
+
+    def generate(stub, key: str, max_tokens: int):
+        request = text_generation_pb2.GenerateRequest(
+            prompt="Hello",
+            request_id="same",
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        )
+        return stub.Generate(request, metadata=[("authorization", f"Bearer {key}")], timeout=60)
+
+    with grpc.insecure_channel(stack.grpc_address) as channel:
+        stub = text_generation_pb2_grpc.TextGenerationStub(channel)
+        a = generate(stub, KEY_A, 400)
+        assert next(a).request_id == "same"
+        b = generate(stub, KEY_B, 16)
+        got = [next(b)]
+        a.cancel()
+        got += list(b)
+    assert {m.request_id for m in got} == {"same"}
+    assert got[-1].usage.completion_tokens == 16 == sum(len(m.token_ids) for m in got)
+    wait_for(lambda: stack.engine_stats().num_requests_running == 0, 30, "tenant A's request still runs")
 
 
 @pytest.mark.slow
