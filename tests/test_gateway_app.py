@@ -11,6 +11,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 
+import anyio
 import httpx
 import pytest
 
@@ -23,13 +24,22 @@ from pagedserve.gateway.tokenization import Tokenizer
 from pagedserve.proto import common_pb2, engine_pb2
 
 MODEL = "SmolLM2-135M-Instruct"
+REQUEST_BOUND_S = 10
 
 pytestmark = pytest.mark.anyio
 
 
+class BoundedTransport(httpx.ASGITransport):
+    """The app in process, each request bounded in time: one that hangs fails its test instead."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        with anyio.fail_after(REQUEST_BOUND_S):
+            return await super().handle_async_request(request)
+
+
 def client(tokenizer: Tokenizer, engine=None, **config) -> httpx.AsyncClient:
     app = create_app(GatewayConfig(**config), tokenizer, ModelInfo(MODEL, 64, (2,)), engine=engine)
-    c = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
+    c = httpx.AsyncClient(transport=BoundedTransport(app=app), base_url="http://gateway")
     c.gateway = app.state.gateway  # the app's state, for what a test sets by hand (draining)
     return c
 
