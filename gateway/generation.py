@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -219,10 +219,15 @@ class GenerationCore:
         return await self._off_loop(deadline, self.tokenizer.decode, token_ids, skip_special_tokens)
 
     async def _off_loop(self, deadline: float | None, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
+        return await self.by_deadline(
+            deadline, asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+        )
+
+    async def by_deadline(self, deadline: float | None, work: Awaitable[T]) -> T:
+        """The result of work, or RequestTimeoutError once the deadline passes (work is cancelled)."""
         try:
             async with asyncio.timeout_at(deadline):
-                return await loop.run_in_executor(self._threads, fn, *args)
+                return await work
         except TimeoutError:
             raise self._timed_out() from None
 

@@ -156,13 +156,14 @@ def create_app(
         state.core.check_model(model_id)
         return _model_card(model)
 
-    def parse(kind: type, request_body: bytes) -> Any:
-        return parse_request(kind, request_body, core.limits, model.max_model_len)
+    async def parse(kind: type, request: Request, deadline: float | None) -> Any:
+        body = await core.by_deadline(deadline, request.body())  # a slow upload counts too
+        return parse_request(kind, body, core.limits, model.max_model_len)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         deadline = core.deadline()
-        req = parse(TokenizeRequest, await request.body())
+        req = await parse(TokenizeRequest, request, deadline)
         core.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("set exactly one of prompt and messages", "prompt")
@@ -176,7 +177,7 @@ def create_app(
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         deadline = core.deadline()
-        req = parse(DetokenizeRequest, await request.body())
+        req = await parse(DetokenizeRequest, request, deadline)
         core.check_model(req.model)
         core.check_token_ids(req.tokens, "tokens")
         return {"prompt": await core.decode(req.tokens, deadline)}
@@ -184,7 +185,7 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         deadline = core.deadline()
-        req: CompletionRequest = parse(CompletionRequest, await request.body())
+        req: CompletionRequest = await parse(CompletionRequest, request, deadline)
         core.check_model(req.model)
         sp = req.sampling_params()
         core.check_sampling(sp, req.sampling_names())
@@ -202,7 +203,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         deadline = core.deadline()
-        req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.body())
+        req: ChatCompletionRequest = await parse(ChatCompletionRequest, request, deadline)
         core.check_model(req.model)
         sp = req.sampling_params()
         core.check_sampling(sp, req.sampling_names())

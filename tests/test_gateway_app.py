@@ -347,6 +347,18 @@ async def test_a_stream_whose_first_token_misses_the_deadline_is_504(tokenizer):
         assert assert_openai_error(response, 504)["type"] == "timeout"
 
 
+async def test_a_body_still_uploading_at_the_deadline_is_504(tokenizer):
+    async def slow_body():
+        yield b'{"prompt": '
+        await asyncio.sleep(5)
+        yield b'"x"}'
+
+    async with client(tokenizer, engine=ScriptedEngine(), request_timeout=0.3) as c:
+        headers = {"content-type": "application/json"}
+        response = await c.post("/v1/completions", content=slow_body(), headers=headers)
+        assert assert_openai_error(response, 504)["type"] == "timeout"
+
+
 async def test_no_request_timeout_when_it_is_zero(tokenizer):
     async def slow(request):
         await asyncio.sleep(0.5)
