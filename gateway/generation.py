@@ -62,18 +62,18 @@ TOKENIZER_THREADS = 4
 T = TypeVar("T")
 
 
-def new_request_ids(prefix: str, tenant: str, client_request_id: str | None = None) -> tuple[str, str]:
-    """(the id the client sees, the id the engine sees) of a new request.
+def new_request_id(prefix: str, tenant_tag: str = "") -> str:
+    """A new request's id, the gateway's own and unique: a uuid, then the tenant's tag (ApiKeys.tag) so
+    that every service's logs show whose request it is. It is the id of the OpenAI response and the
+    engine's id alike, so one id follows the request through every service.
 
-    The engine's id is the gateway's own and unique per request: a uuid, then the start of the
-    tenant's salt so the scheduler's logs show whose request it is. A client's own id (vLLM's
-    `request_id`, `x-request-id`, gRPC's request_id) never reaches the engine: a tenant reusing an id,
-    or two tenants choosing the same one, would otherwise share an engine request, and an abort sent
-    late for an old request would end the new one. The client's id is echoed in the response instead.
+    A client's own id (vLLM's `request_id`, `x-request-id`, gRPC's request_id) never reaches the engine:
+    a tenant reusing an id, or two tenants choosing the same one, would otherwise share an engine
+    request, and an abort sent late for an old request would end the new one. It is logged beside the
+    request's id, and echoed where the API says so (gRPC's GenerateResponse.request_id).
     """
     uid = uuid.uuid4().hex
-    engine_id = f"{prefix}-{uid}-{tenant[:8]}" if tenant else f"{prefix}-{uid}"
-    return (client_request_id or f"{prefix}-{uid}"), engine_id
+    return f"{prefix}-{uid}-{tenant_tag}" if tenant_tag else f"{prefix}-{uid}"
 
 
 @dataclass(slots=True)
@@ -93,7 +93,7 @@ class Prompt:
 @dataclass(slots=True)
 class GenerationRequest:
     request_id: str  # the client-visible id (the response's id)
-    engine_id: str  # the engine's id, the gateway's own (new_request_ids); per prompt "<id>-<index>"
+    engine_id: str  # the engine's id, the gateway's own (new_request_id); per prompt "<id>-<index>"
     prompts: list[Prompt]  # one engine request each
     sampling: list[common_pb2.SamplingParams]  # per prompt: validated, max_tokens filled in
     cache_salt: str = ""  # prefix-cache partition

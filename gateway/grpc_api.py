@@ -23,7 +23,7 @@ from pagedserve.tracing import extract_context
 from pagedserve.validation import check_count, check_prompt_len, check_text
 
 from .auth import ApiKeys, combined_salt
-from .generation import ChoiceDelta, GenerationCore, Prompt, UsageInfo, new_request_ids
+from .generation import ChoiceDelta, GenerationCore, Prompt, UsageInfo, new_request_id
 
 log = get_logger(__name__)
 
@@ -58,8 +58,9 @@ class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServicer):
             if request.request_id:
                 check_text(request.request_id, max_chars=limits.max_request_id_chars, param="request_id")
             # The caller's request_id is echoed in the responses; the engine gets an id of its own.
-            request_id, engine_id = new_request_ids("gen", tenant, request.request_id)
-            structlog.contextvars.bind_contextvars(request_id=request_id, engine_request_id=engine_id)
+            engine_id = new_request_id("gen", self.api_keys.tag(tenant))
+            request_id = request.request_id or engine_id
+            structlog.contextvars.bind_contextvars(request_id=engine_id, client_request_id=request.request_id)
             if self.draining:
                 raise UnavailableError("the server is shutting down; retry later")
             deadline = self.core.deadline(context.time_remaining())

@@ -49,7 +49,7 @@ from .generation import (
     ModelInfo,
     Prompt,
     UsageInfo,
-    new_request_ids,
+    new_request_id,
 )
 from .openai_format import ChatFormatter, CompletionFormatter
 from .protocol import (
@@ -189,12 +189,12 @@ def create_app(
         core.check_model(req.model)
         sp = req.sampling_params()
         core.check_sampling(sp, req.sampling_names())
-        ids = _request_ids(state, request, req, "cmpl")
+        request_id = _request_id(state, request, req, "cmpl")
         prompts = [
             Prompt(await core.encode(p, deadline), p) if isinstance(p, str) else Prompt(list(p))
             for p in req.prompts()
         ]
-        gen = _build(state, request, ids, prompts, sp, req, param="prompt", deadline=deadline)
+        gen = _build(state, request, request_id, prompts, sp, req, param="prompt", deadline=deadline)
         out = CompletionFormatter(tokenizer, model.name, req, gen)
         if req.stream:
             return await _sse_response(request, core.generate(gen), out.chunks)
@@ -207,13 +207,13 @@ def create_app(
         core.check_model(req.model)
         sp = req.sampling_params()
         core.check_sampling(sp, req.sampling_names())
-        ids = _request_ids(state, request, req, "chatcmpl")
+        request_id = _request_id(state, request, req, "chatcmpl")
         prompt = await core.encode_chat(req.template_messages(), deadline, req.add_generation_prompt)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         gen = _build(
             state,
             request,
-            ids,
+            request_id,
             [prompt],
             sp,
             req,
@@ -261,29 +261,25 @@ def _model_card(model: ModelInfo) -> dict:
     }
 
 
-def _request_ids(state: GatewayState, request: Request, req: Any, prefix: str) -> tuple[str, str]:
-    """(the response's id, the engine's id) of a new request, bound to its log lines. A client's own id
-    (the x-request-id header, else vLLM's request_id field) becomes the response's id, as vLLM echoes
-    it, and is never the engine's (see new_request_ids)."""
+def _request_id(state: GatewayState, request: Request, req: Any, prefix: str) -> str:
+    """A new request's id (the response's and the engine's, see new_request_id), bound to its log lines
+    with the client's own id (the x-request-id header, else vLLM's request_id field) and user."""
     header = request.headers.get("x-request-id")
     client_id = header or req.request_id
     if client_id:
         limit = state.core.limits.max_request_id_chars
         check_text(client_id, max_chars=limit, param="x-request-id" if header else "request_id")
-    tenant = request.scope.get(TENANT_SCOPE_KEY, "")
-    request_id, engine_id = new_request_ids(prefix, tenant, client_id and f"{prefix}-{client_id}")
-    structlog.contextvars.bind_contextvars(
-        request_id=request_id, engine_request_id=engine_id, client_request_id=client_id
-    )
+    request_id = new_request_id(prefix, request.scope.get(TENANT_TAG_SCOPE_KEY, ""))
+    structlog.contextvars.bind_contextvars(request_id=request_id, client_request_id=client_id)
     if req.user:
         structlog.contextvars.bind_contextvars(user=req.user)
-    return request_id, engine_id
+    return request_id
 
 
 def _build(
     state: GatewayState,
     request: Request,
-    ids: tuple[str, str],
+    request_id: str,
     prompts: list[Prompt],
     sp: common_pb2.SamplingParams,
     req: Any,
@@ -292,12 +288,11 @@ def _build(
     max_tokens_param: str = "max_tokens",
     deadline: float | None,
 ) -> GenerationRequest:
-    request_id, engine_id = ids
     return state.core.build(
         prompts,
         sp,
         request_id=request_id,
-        engine_id=engine_id,
+        engine_id=request_id,
         deadline=deadline,
         param=param,
         max_tokens_param=max_tokens_param,
@@ -369,8 +364,9 @@ async def _sse_response(
 
 # ---- auth, body size, draining (plain ASGI: runs before FastAPI parses anything) ----
 
-# Where the middleware leaves the caller's tenant salt in the ASGI scope ("" without API keys).
+# Where the middleware leaves the caller's tenant salt and its tag in the ASGI scope ("" without API keys).
 TENANT_SCOPE_KEY = "pagedserve.tenant"
+TENANT_TAG_SCOPE_KEY = "pagedserve.tenant_tag"
 
 
 class GuardMiddleware:
@@ -396,6 +392,7 @@ class GuardMiddleware:
                 await _send_error(send, error)
                 return
             scope[TENANT_SCOPE_KEY] = tenant
+            scope[TENANT_TAG_SCOPE_KEY] = self.api_keys.tag(tenant)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await _send_error(send, self._too_large())

@@ -169,6 +169,7 @@ def test_api_keys_compare_in_constant_time_and_map_to_distinct_tenants():
     assert keys.tenant_from_header(f"Bearer {KEY_B}") == b
     assert combined_salt(a, "s") != combined_salt(b, "s") != combined_salt("", "s")
     assert ApiKeys([]).tenant(b"anything") == ""
+    assert (keys.tag(a), keys.tag(b), ApiKeys([]).tag("")) == ("t0", "t1", "")
 
 
 def test_a_folder_with_only_pickle_weights_is_refused(tmp_path: Path, default_model_dir: Path):
