@@ -33,6 +33,9 @@ class ApiKeys:
 
     def __init__(self, keys: Iterable[str]):
         self._keys = [(k.encode(), tenant_salt(k.encode())) for k in dict.fromkeys(keys) if k]
+        # NOTE: a tenant's tag in request ids is its key's place in the configuration, not anything
+        # derived from the key: ids reach clients and logs, and must not help anyone test a key guess.
+        self._tags = {salt: f"t{i}" for i, (_, salt) in enumerate(self._keys)}
 
     @property
     def required(self) -> bool:
@@ -48,6 +51,10 @@ class ApiKeys:
             if hmac.compare_digest(token, key):
                 found = salt
         return found
+
+    def tag(self, tenant: str) -> str:
+        """The short name of a tenant (its salt) in request ids and logs; "" without keys."""
+        return self._tags.get(tenant, "")
 
     def tenant_from_header(self, authorization: bytes | str | None) -> str | None:
         """Like tenant(), from an "Authorization: Bearer <key>" header value."""

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagedserve.flags import EnvFlags
 from pagedserve.grpc_utils import ClusterAuth, TLSConfig, add_cluster_token_argument
+from pagedserve.validation import DEFAULT_LIMITS, Limits
 
 
 @dataclass(slots=True, frozen=True)
@@ -20,10 +22,13 @@ class GatewayConfig:
     scheduler: str = "localhost:50052"  # host:port of the scheduler's EngineService
     model: str = "default"  # model spec (folder, .gguf or "default") for the tokenizer and chat template
     served_model_name: str | None = None  # name clients pass as `model`; None: the model's own name
-    api_key: str | None = None  # when set, /v1 paths need "Authorization: Bearer <key>"
+    api_key: str | None = None  # when set, every path but the probes needs "Authorization: Bearer <key>"
     api_keys: tuple[str, ...] = ()  # more accepted keys, one per tenant (each its own prefix-cache partition)
     max_body_bytes: int = 32 * 1024 * 1024  # larger request bodies are refused with 413
-    max_n: int = 16  # most sequences (`n`) one request may ask for
+    max_n: int = DEFAULT_LIMITS.max_n  # most sequences (`n`) one request may ask for
+    max_prompts: int = DEFAULT_LIMITS.max_prompts  # most prompts in one completions request
+    max_messages: int = DEFAULT_LIMITS.max_messages  # most messages in one chat request
+    request_timeout: float = 600.0  # seconds a request may take in the gateway, then 504; 0: no limit
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for running requests (new ones get 503)
     tls_cert: str | None = None  # PEM certificate presented to the scheduler (mutual TLS)
     tls_key: str | None = None  # its private key
@@ -39,6 +44,10 @@ class GatewayConfig:
     @property
     def cluster_auth(self) -> ClusterAuth:
         return ClusterAuth.load(self.cluster_token_file)
+
+    def limits(self) -> Limits:
+        """What a client may send, with the flags operators tune."""
+        return Limits(max_n=self.max_n, max_prompts=self.max_prompts, max_messages=self.max_messages)
 
     def all_api_keys(self) -> tuple[str, ...]:
         return tuple(k for k in (self.api_key, *self.api_keys) if k)
@@ -58,10 +67,13 @@ class GatewayConfig:
         add("--scheduler", str, "host:port of the scheduler's EngineService", d.scheduler)
         add("--model", str, "model folder, .gguf or 'default' (tokenizer and chat template)", d.model)
         add("--served-model-name", str, "name clients pass as `model` (default: the model's)")
-        add("--api-key", str, "when set, /v1 paths need `Authorization: Bearer <key>`")
+        add("--api-key", str, "when set, every API path needs `Authorization: Bearer <key>`")
         add("--api-keys", _key_list, "comma-separated accepted keys, one per tenant", d.api_keys)
         add("--max-body-bytes", int, "larger request bodies get 413", d.max_body_bytes)
         add("--max-n", int, "largest n per request", d.max_n)
+        add("--max-prompts", int, "most prompts in one completions request", d.max_prompts)
+        add("--max-messages", int, "most messages in one chat request", d.max_messages)
+        add("--request-timeout", float, "seconds a request may take, then 504; 0: none", d.request_timeout)
         add("--shutdown-timeout", float, "seconds SIGTERM waits for running requests", d.shutdown_timeout)
         add("--tls-cert", str, "PEM client certificate presented to the scheduler (mutual TLS)")
         add("--tls-key", str, "private key of --tls-cert")
@@ -73,8 +85,11 @@ class GatewayConfig:
         config = cls(**vars(args))
         if config.max_body_bytes <= 0:
             parser.error("--max-body-bytes must be positive")
-        if config.max_n <= 0:
-            parser.error("--max-n must be positive")
+        for flag in ("max_n", "max_prompts", "max_messages"):
+            if getattr(config, flag) <= 0:
+                parser.error(f"--{flag.replace('_', '-')} must be positive")
+        if not 0 <= config.request_timeout < math.inf:
+            parser.error("--request-timeout must be 0 (none) or positive")
         try:
             config.tls  # noqa: B018 -- checks the TLS flags go together and the files exist
             config.cluster_auth  # noqa: B018 -- checks the token file exists

@@ -5,6 +5,11 @@ concurrently; choice indices are prompt_index * n + j, as in OpenAI and vLLM. Te
 incremental detokenization, then stop strings. A sequence that hits a stop string is finished at once
 and aborted at the engine on its own (its siblings go on); when every sequence of a request is
 finished the request is aborted at the engine.
+
+Both APIs build a request the same way, in this order, so that nothing proportional to the input runs
+before the limits have been checked: check_sampling (counts, ranges, n), then the prompts' texts are
+bounded by their length and tokenized (encode / render_chat, on threads), then build (each prompt's
+token ids by length first, then by value; max_tokens against the context).
 """
 
 from __future__ import annotations
@@ -12,15 +17,27 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from pagedserve.errors import InvalidRequestError, ModelNotFoundError, UnavailableError
+from pagedserve.errors import ModelNotFoundError, RequestTimeoutError, UnavailableError
 from pagedserve.logging import get_logger
 from pagedserve.v1 import common_pb2, engine_pb2
+from pagedserve.validation import (
+    DEFAULT_LIMITS,
+    Limits,
+    check_count,
+    check_max_tokens,
+    check_prompt,
+    check_prompt_chars,
+    check_sampling,
+    check_token_ids,
+)
 
 from .engine_client import EngineClient
 from .tokenization import IncrementalDetokenizer, SequenceText, StopStringMatcher, Tokenizer
@@ -36,10 +53,27 @@ FINISH_REASONS = {
 # How long to wait, after aborting a request whose sequences all hit stop strings, for the engine's
 # last message (it carries the cached-prompt-token count). A step is far shorter.
 DRAIN_TIMEOUT_S = 0.25
+# Threads that tokenize and render chat templates. NOTE: both take time proportional to the input, so
+# they run off the event loop (the Rust tokenizer releases the GIL while it works; Jinja is Python and
+# shares the GIL by the interpreter's switch interval). Incremental detokenization stays on the loop:
+# about 5 us a token on the 2-core Zen 4, less than the loop's own work per streamed token.
+TOKENIZER_THREADS = 4
+
+T = TypeVar("T")
 
 
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_request_id(prefix: str, tenant_tag: str = "") -> str:
+    """A new request's id, the gateway's own and unique: a uuid, then the tenant's tag (ApiKeys.tag) so
+    that every service's logs show whose request it is. It is the id of the OpenAI response and the
+    engine's id alike, so one id follows the request through every service.
+
+    A client's own id (vLLM's `request_id`, `x-request-id`, gRPC's request_id) never reaches the engine:
+    a tenant reusing an id, or two tenants choosing the same one, would otherwise share an engine
+    request, and an abort sent late for an old request would end the new one. It is logged beside the
+    request's id, and echoed where the API says so (gRPC's GenerateResponse.request_id).
+    """
+    uid = uuid.uuid4().hex
+    return f"{prefix}-{uid}-{tenant_tag}" if tenant_tag else f"{prefix}-{uid}"
 
 
 @dataclass(slots=True)
@@ -58,12 +92,14 @@ class Prompt:
 
 @dataclass(slots=True)
 class GenerationRequest:
-    request_id: str  # the client-visible id; engine request ids derive from it per prompt
+    request_id: str  # the client-visible id (the response's id)
+    engine_id: str  # the engine's id, the gateway's own (new_request_id); per prompt "<id>-<index>"
     prompts: list[Prompt]  # one engine request each
     sampling: list[common_pb2.SamplingParams]  # per prompt: validated, max_tokens filled in
     cache_salt: str = ""  # prefix-cache partition
     priority: int = 0  # lower runs first
     trace_context: Context | None = None  # parent of the request's span (from the caller's metadata)
+    deadline: float | None = None  # event-loop time by which it must be done (then aborted); None: never
 
     @property
     def n(self) -> int:
@@ -108,53 +144,106 @@ class _Choice:
 
 
 class GenerationCore:
-    def __init__(self, engine: EngineClient | None, tokenizer: Tokenizer, model: ModelInfo, max_n: int = 16):
+    def __init__(
+        self,
+        engine: EngineClient | None,
+        tokenizer: Tokenizer,
+        model: ModelInfo,
+        limits: Limits = DEFAULT_LIMITS,
+        request_timeout: float = 0.0,
+    ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model = model
-        self.max_n = max_n  # most sequences one request may ask for (--max-n)
+        self.limits = limits  # what a client may send (the gateway's flags: --max-n, --max-prompts, ...)
+        self.request_timeout = request_timeout  # seconds a request may take (--request-timeout); 0: no limit
+        self._threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenizer")
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     # ---- building a request: every check happens here, before anything is sent ----
+
+    def deadline(self, time_remaining: float | None = None) -> float | None:
+        """The event-loop time by which a request arriving now must be done: --request-timeout, or the
+        caller's own deadline (gRPC) when that is sooner. None: no limit."""
+        limits = [t for t in (self.request_timeout or None, time_remaining) if t is not None]
+        return asyncio.get_running_loop().time() + min(limits) if limits else None
 
     def check_model(self, name: str | None) -> None:
         if name and name != self.model.name:
             raise ModelNotFoundError(name)
 
+    def check_sampling(self, sp: common_pb2.SamplingParams, names: dict[str, str] | None = None) -> None:
+        """The sampling parameters' counts, ranges and n against the gateway's limits: the one check both
+        APIs make, before any prompt is tokenized."""
+        check_sampling(sp, limits=self.limits, vocab_size=self.tokenizer.vocab_size, names=names)
+
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty: it needs at least one token", param)
-        vocab = self.tokenizer.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is out of the vocabulary (0..{vocab - 1})", param)
+        """Token ids to detokenize: as many as a context holds, each in the vocabulary."""
+        check_token_ids(
+            token_ids, vocab_size=self.tokenizer.vocab_size, max_len=self.model.max_model_len, param=param
+        )
+
+    async def encode(
+        self, text: str, deadline: float | None, *, add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[int]:
+        """A text's token ids, tokenized off the event loop once its length could fit the context."""
+        check_prompt_chars(
+            len(text),
+            max_model_len=self.model.max_model_len,
+            max_token_chars=self.tokenizer.max_token_chars,
+            param=param,
+        )
+        return await self._off_loop(deadline, self.tokenizer.encode, text, add_special_tokens)
+
+    async def render_chat(
+        self, messages: list[dict[str, str]], deadline: float | None, add_generation_prompt: bool = True
+    ) -> str:
+        """The chat template applied to messages (bounded in number), off the event loop."""
+        check_count(len(messages), self.limits.max_messages, "messages", "messages")
+        return await self._off_loop(deadline, self.tokenizer.render_chat, messages, add_generation_prompt)
+
+    async def encode_chat(
+        self, messages: list[dict[str, str]], deadline: float | None, add_generation_prompt: bool = True
+    ) -> Prompt:
+        text = await self.render_chat(messages, deadline, add_generation_prompt)
+        # The rendered template already holds the special tokens (BOS and the role markers).
+        ids = await self.encode(text, deadline, add_special_tokens=False, param="messages")
+        return Prompt(ids, text)
+
+    async def decode(
+        self, token_ids: list[int], deadline: float | None, skip_special_tokens: bool = True
+    ) -> str:
+        """Token ids (checked by check_token_ids) as text, off the event loop."""
+        return await self._off_loop(deadline, self.tokenizer.decode, token_ids, skip_special_tokens)
+
+    async def _off_loop(self, deadline: float | None, fn: Callable[..., T], *args: Any) -> T:
+        return await self.by_deadline(
+            deadline, asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+        )
+
+    async def by_deadline(self, deadline: float | None, work: Awaitable[T]) -> T:
+        """The result of work, or RequestTimeoutError once the deadline passes (work is cancelled)."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await work
+        except TimeoutError:
+            raise self._timed_out() from None
+
+    def _timed_out(self) -> RequestTimeoutError:
+        return RequestTimeoutError("the request did not finish in time; it was aborted", code="timeout")
 
     def sampling_for_prompt(
-        self, sp: common_pb2.SamplingParams, prompt_len: int, param: str, max_tokens_param: str = "max_tokens"
+        self, sp: common_pb2.SamplingParams, prompt_len: int, max_tokens_param: str = "max_tokens"
     ) -> common_pb2.SamplingParams:
         """A copy of sp for one prompt, max_tokens defaulting to what the context has left."""
-        limit = self.model.max_model_len
-        if prompt_len >= limit:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {limit} tokens. However, your request has "
-                f"{prompt_len} input tokens. Please reduce the length of the input.",
-                param,
-            )
-        for token_id in sp.logit_bias:
-            if token_id >= self.tokenizer.vocab_size:
-                raise InvalidRequestError(
-                    f"logit_bias token id {token_id} is out of the vocabulary", "logit_bias"
-                )
         out = common_pb2.SamplingParams()
         out.CopyFrom(sp)
+        limit = self.model.max_model_len
         if not out.HasField("max_tokens"):
             out.max_tokens = limit - prompt_len
-        elif prompt_len + out.max_tokens > limit:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + out.max_tokens} tokens ({prompt_len} in the input, {out.max_tokens} in the "
-                f"completion). Please reduce the length of the input or completion.",
-                max_tokens_param,
-            )
+        check_max_tokens(prompt_len, out, max_model_len=limit, param=max_tokens_param)
         return out
 
     def build(
@@ -163,18 +252,27 @@ class GenerationCore:
         sp: common_pb2.SamplingParams,
         *,
         request_id: str,
+        engine_id: str,
         param: str = "prompt",
         max_tokens_param: str = "max_tokens",
         cache_salt: str = "",
         priority: int = 0,
         trace_context: Context | None = None,
+        deadline: float | None = None,
     ) -> GenerationRequest:
-        if sp.n > self.max_n:
-            raise InvalidRequestError(f"n must be between 1 and {self.max_n}, got {sp.n}", "n")
+        """The request to run, from sampling parameters that check_sampling passed and tokenized prompts."""
+        check_count(len(prompts), self.limits.max_prompts, param, "prompts")
         for prompt in prompts:
-            self.check_token_ids(prompt.token_ids, param)
-        sampling = [self.sampling_for_prompt(sp, len(p.token_ids), param, max_tokens_param) for p in prompts]
-        return GenerationRequest(request_id, prompts, sampling, cache_salt, priority, trace_context)
+            check_prompt(
+                prompt.token_ids,
+                vocab_size=self.tokenizer.vocab_size,
+                max_model_len=self.model.max_model_len,
+                param=param,
+            )
+        sampling = [self.sampling_for_prompt(sp, len(p.token_ids), max_tokens_param) for p in prompts]
+        return GenerationRequest(
+            request_id, engine_id, prompts, sampling, cache_salt, priority, trace_context, deadline
+        )
 
     # ---- running it ----
 
@@ -185,14 +283,26 @@ class GenerationCore:
         span = tracer.start_span(
             "pagedserve.gateway.generate",
             context=req.trace_context,
-            attributes={"pagedserve.request_id": req.request_id, "pagedserve.num_prompts": len(req.prompts)},
+            attributes={"pagedserve.request_id": req.engine_id, "pagedserve.num_prompts": len(req.prompts)},
         )
         ctx = trace.set_span_in_context(span, req.trace_context)
         usage = UsageInfo()
         start = time.perf_counter()
         reasons: dict[str, int] = {}
+        items = self._merged(req, ctx)
         try:
-            async for item in self._merged(req, ctx):
+            while True:
+                try:
+                    # NOTE: the deadline covers each wait for the engine, never a yield: the time the
+                    # consumer holds an item is not ours to cancel. On expiry the cancellation runs the
+                    # finally blocks below us, which cancel the engine call and abort the request.
+                    async with asyncio.timeout_at(req.deadline):
+                        item = await anext(items)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    log.info("request timed out", seconds=round(time.perf_counter() - start, 4))
+                    raise self._timed_out() from None
                 if isinstance(item, UsageInfo):
                     usage.prompt_tokens += item.prompt_tokens
                     usage.completion_tokens += item.completion_tokens
@@ -217,6 +327,7 @@ class GenerationCore:
                 log.info("request cancelled", seconds=round(time.perf_counter() - start, 4))
             raise
         finally:
+            await items.aclose()
             span.end()
 
     async def _merged(self, req: GenerationRequest, ctx: Context) -> AsyncIterator[ChoiceDelta | UsageInfo]:
@@ -258,7 +369,7 @@ class GenerationCore:
         assert self.engine is not None
         prompt, sp = req.prompts[prompt_index], req.sampling[prompt_index]
         n = sp.n or 1
-        engine_id = req.request_id if len(req.prompts) == 1 else f"{req.request_id}-{prompt_index}"
+        engine_id = req.engine_id if len(req.prompts) == 1 else f"{req.engine_id}-{prompt_index}"
         engine_sp = common_pb2.SamplingParams()
         engine_sp.CopyFrom(sp)
         del engine_sp.stop[:]  # stop strings are the gateway's business

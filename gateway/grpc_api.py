@@ -1,4 +1,9 @@
-"""The public gRPC service, pagedserve.v1.TextGenerationService: the HTTP API's capability on the same core."""
+"""The public gRPC service, pagedserve.v1.TextGenerationService: the HTTP API's capability on the same core.
+
+Every RPC needs the API key when one is set (each touches the model: generation, its tokenizer, its
+name). Requests go through the same checks, in the same order, as the HTTP API's (GenerationCore), and
+are bounded in time by --request-timeout or the caller's own deadline, whichever comes first.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +20,10 @@ from pagedserve.errors import (
 from pagedserve.logging import get_logger
 from pagedserve.tracing import extract_context
 from pagedserve.v1 import common_pb2, text_generation_pb2, text_generation_pb2_grpc
+from pagedserve.validation import check_count, check_prompt_len, check_text
 
 from .auth import ApiKeys, combined_salt
 from .generation import ChoiceDelta, GenerationCore, Prompt, UsageInfo, new_request_id
-from .protocol import check_sampling_params
 
 log = get_logger(__name__)
 
@@ -38,8 +43,6 @@ class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServi
         # Set by the server on SIGTERM: new generations are refused (UNAVAILABLE) while it drains.
         self.draining = False
 
-    # NOTE: only Generate needs a key, as on HTTP only the engine-backed /v1 paths do: Tokenize,
-    # Detokenize and ListModels touch neither the engine nor the prefix cache.
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
         """The caller's tenant salt from its "authorization: Bearer <key>" metadata."""
         metadata = dict(context.invocation_metadata() or ())
@@ -49,25 +52,34 @@ class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServi
         return tenant
 
     async def Generate(self, request: text_generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        request_id = request.request_id or new_request_id("gen")
-        structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
             tenant = self._tenant(context)
+            limits = self.core.limits
+            if request.request_id:
+                check_text(request.request_id, max_chars=limits.max_request_id_chars, param="request_id")
+            # The caller's request_id is echoed in the responses; the engine gets an id of its own.
+            engine_id = new_request_id("gen", self.api_keys.tag(tenant))
+            request_id = request.request_id or engine_id
+            structlog.contextvars.bind_contextvars(request_id=engine_id, client_request_id=request.request_id)
             if self.draining:
                 raise UnavailableError("the server is shutting down; retry later")
+            deadline = self.core.deadline(context.time_remaining())
             self.core.check_model(request.model)
+            check_text(request.cache_salt, max_chars=limits.max_cache_salt_chars, param="cache_salt")
             sp = common_pb2.SamplingParams()
             sp.CopyFrom(request.sampling)
-            check_sampling_params(sp)
-            prompt = self._prompt(request)
+            self.core.check_sampling(sp)
+            prompt = await self._prompt(request, deadline)
             gen = self.core.build(
                 [prompt],
                 sp,
                 request_id=request_id,
+                engine_id=engine_id,
                 param="messages" if request.messages else "prompt",
                 cache_salt=combined_salt(tenant, request.cache_salt),
                 priority=request.priority,
                 trace_context=extract_context(context.invocation_metadata()),
+                deadline=deadline,
             )
             # One message is held back so the very last one can carry the usage.
             pending: text_generation_pb2.GenerateResponse | None = None
@@ -96,18 +108,20 @@ class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServi
         except PagedServeError as error:
             await abort_with(context, error)
 
-    def _prompt(self, request: text_generation_pb2.GenerateRequest) -> Prompt:
+    async def _prompt(self, request: text_generation_pb2.GenerateRequest, deadline: float | None) -> Prompt:
         given = [bool(request.prompt), bool(request.messages), bool(request.prompt_token_ids)]
         if sum(given) != 1:
             raise InvalidRequestError("set exactly one of prompt, messages and prompt_token_ids", "prompt")
         if request.prompt:
-            return Prompt(self.tokenizer.encode(request.prompt), request.prompt)
+            return Prompt(await self.core.encode(request.prompt, deadline), request.prompt)
         if request.messages:
-            text = self.tokenizer.render_chat(
-                [{"role": m.role, "content": m.content} for m in request.messages]
-            )
-            return Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
+            return await self.core.encode_chat(self._messages(request.messages), deadline)
+        check_prompt_len(len(request.prompt_token_ids), self.core.model.max_model_len, "prompt_token_ids")
         return Prompt(list(request.prompt_token_ids))
+
+    def _messages(self, messages) -> list[dict[str, str]]:
+        check_count(len(messages), self.core.limits.max_messages, "messages", "messages")
+        return [{"role": m.role, "content": m.content} for m in messages]
 
     @staticmethod
     def _response(request_id: str, item: ChoiceDelta) -> text_generation_pb2.GenerateResponse:
@@ -126,15 +140,16 @@ class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServi
 
     async def Tokenize(self, request: text_generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
         try:
+            self._tenant(context)
+            deadline = self.core.deadline(context.time_remaining())
             self.core.check_model(request.model)
             if bool(request.text) and bool(request.messages):
                 raise InvalidRequestError("set one of text and messages", "text")
             if request.messages:
-                messages = [{"role": m.role, "content": m.content} for m in request.messages]
-                ids = self.tokenizer.encode_chat(messages)
+                ids = (await self.core.encode_chat(self._messages(request.messages), deadline)).token_ids
             else:
                 add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = self.tokenizer.encode(request.text, add_special_tokens=add)
+                ids = await self.core.encode(request.text, deadline, add_special_tokens=add, param="text")
         except PagedServeError as error:
             await abort_with(context, error)
         return text_generation_pb2.TokenizeResponse(
@@ -145,17 +160,23 @@ class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServi
         self, request: text_generation_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ):
         try:
+            self._tenant(context)
+            deadline = self.core.deadline(context.time_remaining())
             self.core.check_model(request.model)
-            if request.token_ids:
-                self.core.check_token_ids(list(request.token_ids), "token_ids")
+            self.core.check_token_ids(request.token_ids, "token_ids")
+            skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+            text = await self.core.decode(list(request.token_ids), deadline, skip)
         except PagedServeError as error:
             await abort_with(context, error)
-        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return text_generation_pb2.DetokenizeResponse(text=self.tokenizer.decode(request.token_ids, skip))
+        return text_generation_pb2.DetokenizeResponse(text=text)
 
     async def ListModels(
         self, request: text_generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ):
+        try:
+            self._tenant(context)
+        except PagedServeError as error:
+            await abort_with(context, error)
         model = self.core.model
         card = text_generation_pb2.ModelCard(
             id=model.name, max_model_len=model.max_model_len, owned_by="pagedserve", created=model.created

@@ -1,6 +1,12 @@
-"""The OpenAI-compatible HTTP API (FastAPI): routes, SSE streaming, errors, auth, body limit, disconnects.
+"""The OpenAI-compatible HTTP API (FastAPI): routes, SSE streaming, errors, auth, body limit, disconnects,
+deadlines and the probes.
 
-The response bodies and stream chunks are shaped in openai_format.py.
+Every path but the probes (/health, /ready, /metrics, /version) needs the API key when one is set:
+whatever touches the model (generation, tokenizing, listing it) does. A request is bounded in size
+(--max-body-bytes, then the gateway's Limits, before any work proportional to it) and in time
+(--request-timeout: 504, or an error event on a stream that has started); a client that goes away has
+its engine request aborted, queued or running. The response bodies and stream chunks are shaped in
+openai_format.py.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from pagedserve.errors import (
 from pagedserve.logging import get_logger
 from pagedserve.tracing import extract_context
 from pagedserve.v1 import common_pb2
+from pagedserve.validation import check_text
 
 from . import metrics
 from .auth import ApiKeys, combined_salt
@@ -56,7 +63,10 @@ from .tokenization import Tokenizer
 
 log = get_logger(__name__)
 
-HEALTH_TIMEOUT_S = 2.0
+# How long /ready waits for the scheduler's GetEngineInfo (its own RPC: never queued behind generation).
+READY_TIMEOUT_S = 2.0
+# Paths that answer without the API key: the probes and the version; none of them touches the model.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
 
 
 class _ClientGone(Exception):
@@ -80,7 +90,7 @@ def create_app(
     config: GatewayConfig, tokenizer: Tokenizer, model: ModelInfo, engine: EngineClient | None
 ) -> FastAPI:
     """The HTTP app. Without an engine (engine=None) only the text endpoints work; the rest answer 503."""
-    core = GenerationCore(engine, tokenizer, model, max_n=config.max_n)
+    core = GenerationCore(engine, tokenizer, model, config.limits(), config.request_timeout)
     state = GatewayState(config, tokenizer, model, core, engine)
     app = FastAPI(title="pagedserve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = state
@@ -113,15 +123,17 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if engine is None or state.draining:
-            return Response(status_code=503)
-        try:
-            info = await engine.info(timeout=HEALTH_TIMEOUT_S)
-        except PagedServeError:
-            return Response(status_code=503)
-        if info.max_model_len:
-            model.max_model_len = info.max_model_len
-        return Response(status_code=200 if info.num_healthy_workers > 0 else 503)
+        """Liveness: the gateway answers (503 only while it drains). What it serves through is /ready's."""
+        return Response(status_code=503 if state.draining else 200)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: the scheduler answers GetEngineInfo in time, a worker is healthy, and the engine is
+        not stalled (pending work with no token advancing)."""
+        reason = await _unready_reason(state)
+        if reason is not None:
+            return JSONResponse({"ready": False, "reason": reason}, status_code=503)
+        return JSONResponse({"ready": True})
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
@@ -144,57 +156,96 @@ def create_app(
         state.core.check_model(model_id)
         return _model_card(model)
 
+    async def parse(kind: type, request: Request, deadline: float | None) -> Any:
+        body = await core.by_deadline(deadline, request.body())  # a slow upload counts too
+        return parse_request(kind, body, core.limits, model.max_model_len)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        req = parse_request(TokenizeRequest, await request.body())
-        state.core.check_model(req.model)
+        deadline = core.deadline()
+        req = await parse(TokenizeRequest, request, deadline)
+        core.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("set exactly one of prompt and messages", "prompt")
         if req.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = tokenizer.encode_chat(messages, req.add_generation_prompt)
+            ids = (await core.encode_chat(messages, deadline, req.add_generation_prompt)).token_ids
         else:
-            ids = tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            ids = await core.encode(req.prompt or "", deadline, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        req = parse_request(DetokenizeRequest, await request.body())
-        state.core.check_model(req.model)
-        state.core.check_token_ids(req.tokens or [0], "tokens")
-        return {"prompt": tokenizer.decode(req.tokens)}
+        deadline = core.deadline()
+        req = await parse(DetokenizeRequest, request, deadline)
+        core.check_model(req.model)
+        core.check_token_ids(req.tokens, "tokens")
+        return {"prompt": await core.decode(req.tokens, deadline)}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req: CompletionRequest = parse_request(CompletionRequest, await request.body())
-        state.core.check_model(req.model)
+        deadline = core.deadline()
+        req: CompletionRequest = await parse(CompletionRequest, request, deadline)
+        core.check_model(req.model)
         sp = req.sampling_params()
+        core.check_sampling(sp, req.sampling_names())
+        request_id = _request_id(state, request, req, "cmpl")
         prompts = [
-            Prompt(tokenizer.encode(p), p) if isinstance(p, str) else Prompt(list(p)) for p in req.prompts()
+            Prompt(await core.encode(p, deadline), p) if isinstance(p, str) else Prompt(list(p))
+            for p in req.prompts()
         ]
-        gen = _build(state, request, "cmpl", prompts, sp, req, param="prompt")
+        gen = _build(state, request, request_id, prompts, sp, req, param="prompt", deadline=deadline)
         out = CompletionFormatter(tokenizer, model.name, req, gen)
         if req.stream:
-            return await _sse_response(request, state.core.generate(gen), out.chunks)
-        return JSONResponse(await _until_disconnect(request, out.collect(state.core.generate(gen))))
+            return await _sse_response(request, core.generate(gen), out.chunks)
+        return JSONResponse(await _until_disconnect(request, out.collect(core.generate(gen))))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
-        state.core.check_model(req.model)
+        deadline = core.deadline()
+        req: ChatCompletionRequest = await parse(ChatCompletionRequest, request, deadline)
+        core.check_model(req.model)
         sp = req.sampling_params()
-        prompt_text = tokenizer.render_chat(req.template_messages(), req.add_generation_prompt)
-        prompts = [Prompt(tokenizer.encode(prompt_text, add_special_tokens=False), prompt_text)]
+        core.check_sampling(sp, req.sampling_names())
+        request_id = _request_id(state, request, req, "chatcmpl")
+        prompt = await core.encode_chat(req.template_messages(), deadline, req.add_generation_prompt)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         gen = _build(
-            state, request, "chatcmpl", prompts, sp, req, param="messages", max_tokens_param=max_param
+            state,
+            request,
+            request_id,
+            [prompt],
+            sp,
+            req,
+            param="messages",
+            max_tokens_param=max_param,
+            deadline=deadline,
         )
         out = ChatFormatter(tokenizer, model.name, req, gen)
         if req.stream:
-            return await _sse_response(request, state.core.generate(gen), out.chunks)
-        return JSONResponse(await _until_disconnect(request, out.collect(state.core.generate(gen))))
+            return await _sse_response(request, core.generate(gen), out.chunks)
+        return JSONResponse(await _until_disconnect(request, out.collect(core.generate(gen))))
 
     return app
+
+
+async def _unready_reason(state: GatewayState) -> str | None:
+    """Why the gateway cannot serve generation now, or None when it can."""
+    if state.engine is None:
+        return "no scheduler is connected"
+    if state.draining:
+        return "shutting down"
+    try:
+        info = await state.engine.info(timeout=READY_TIMEOUT_S)
+    except PagedServeError as error:
+        return f"the scheduler did not answer: {error.message}"
+    if info.max_model_len:
+        state.model.max_model_len = info.max_model_len
+    if info.num_healthy_workers == 0:
+        return "no healthy worker"
+    if info.stalled:
+        return f"the engine is stalled: no token advanced for {info.seconds_without_progress:.1f} s"
+    return None
 
 
 def _model_card(model: ModelInfo) -> dict:
@@ -210,27 +261,39 @@ def _model_card(model: ModelInfo) -> dict:
     }
 
 
+def _request_id(state: GatewayState, request: Request, req: Any, prefix: str) -> str:
+    """A new request's id (the response's and the engine's, see new_request_id), bound to its log lines
+    with the client's own id (the x-request-id header, else vLLM's request_id field) and user."""
+    header = request.headers.get("x-request-id")
+    client_id = header or req.request_id
+    if client_id:
+        limit = state.core.limits.max_request_id_chars
+        check_text(client_id, max_chars=limit, param="x-request-id" if header else "request_id")
+    request_id = new_request_id(prefix, request.scope.get(TENANT_TAG_SCOPE_KEY, ""))
+    structlog.contextvars.bind_contextvars(request_id=request_id, client_request_id=client_id)
+    if req.user:
+        structlog.contextvars.bind_contextvars(user=req.user)
+    return request_id
+
+
 def _build(
     state: GatewayState,
     request: Request,
-    prefix: str,
+    request_id: str,
     prompts: list[Prompt],
     sp: common_pb2.SamplingParams,
     req: Any,
     *,
     param: str,
     max_tokens_param: str = "max_tokens",
+    deadline: float | None,
 ) -> GenerationRequest:
-    request_id = new_request_id(prefix)
-    structlog.contextvars.bind_contextvars(
-        request_id=request_id, client_request_id=request.headers.get("x-request-id") or req.request_id
-    )
-    if req.user:
-        structlog.contextvars.bind_contextvars(user=req.user)
     return state.core.build(
         prompts,
         sp,
         request_id=request_id,
+        engine_id=request_id,
+        deadline=deadline,
         param=param,
         max_tokens_param=max_tokens_param,
         cache_salt=combined_salt(request.scope.get(TENANT_SCOPE_KEY, ""), req.cache_salt),
@@ -301,11 +364,15 @@ async def _sse_response(
 
 # ---- auth, body size, draining (plain ASGI: runs before FastAPI parses anything) ----
 
-# Where the middleware leaves the caller's tenant salt in the ASGI scope ("" without API keys).
+# Where the middleware leaves the caller's tenant salt and its tag in the ASGI scope ("" without API keys).
 TENANT_SCOPE_KEY = "pagedserve.tenant"
+TENANT_TAG_SCOPE_KEY = "pagedserve.tenant_tag"
 
 
 class GuardMiddleware:
+    """Every path but OPEN_PATHS needs an accepted key and is refused (503) while draining; every body is
+    bounded by max_body_bytes (413), with or without a Content-Length."""
+
     def __init__(self, app, api_keys: ApiKeys, max_body_bytes: int, state: GatewayState | None = None):
         self.app = app
         self.api_keys = api_keys
@@ -317,7 +384,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        api = scope["path"].startswith("/v1")
+        api = scope["path"] not in OPEN_PATHS
         if api:
             tenant = self.api_keys.tenant_from_header(headers.get(b"authorization"))
             if tenant is None:
@@ -325,6 +392,7 @@ class GuardMiddleware:
                 await _send_error(send, error)
                 return
             scope[TENANT_SCOPE_KEY] = tenant
+            scope[TENANT_TAG_SCOPE_KEY] = self.api_keys.tag(tenant)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await _send_error(send, self._too_large())

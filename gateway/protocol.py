@@ -1,7 +1,9 @@
 """The OpenAI API's request schema (plus vLLM's extra sampling fields) and its mapping to SamplingParams.
 
-Unknown fields are ignored, as vLLM and OpenAI do. Types are checked by pydantic; value ranges by
-`check_sampling_params`, which the gRPC API shares, so both APIs refuse the same requests with the
+Unknown fields are ignored, as vLLM and OpenAI do. Before pydantic looks at a body, parse_request bounds
+its nesting and the size of every collection and identifier in it (pagedserve/validation.py, with the
+gateway's Limits); types are then checked by pydantic; value ranges by the same validation.check_sampling
+call the gRPC API makes (GenerationCore.check_sampling), so both APIs refuse the same requests with the
 same messages. Responses are plain dicts built in openai_format.py (cheaper to serialize per token).
 """
 
@@ -14,9 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.v1 import common_pb2
-from pagedserve.validation import Limits, check_sampling, reduce_seed
-
-_UNBOUNDED_N = Limits(max_n=(1 << 32) - 1)
+from pagedserve.validation import (
+    DEFAULT_LIMITS,
+    Limits,
+    check_count,
+    check_json_depth,
+    check_prompt_len,
+    check_text,
+    reduce_seed,
+)
 
 
 class _Request(BaseModel):
@@ -166,8 +174,11 @@ class CompletionRequest(_SamplingFields):
             prompt_logprobs = self.logprobs  # echo with logprobs shows the prompt's logprobs too
         if prompt_logprobs is not None:
             sp.prompt_logprobs = _checked_uint(prompt_logprobs, "prompt_logprobs")
-        check_sampling_params(sp)
         return sp
+
+    def sampling_names(self) -> dict[str, str]:
+        """SamplingParams fields this API calls by another name (for errors)."""
+        return {}
 
 
 class ContentPart(_Request):
@@ -212,12 +223,13 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        sp = self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+    def sampling_names(self) -> dict[str, str]:
         names = {"logprobs": "top_logprobs"}
         if self.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
-        check_sampling_params(sp, names)
-        return sp
+        return names
 
 
 class TokenizeRequest(_Request):
@@ -233,24 +245,64 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
-def check_sampling_params(sp: common_pb2.SamplingParams, names: dict[str, str] | None = None) -> None:
-    """Refuse values outside the documented ranges (InvalidRequestError with the parameter's name); n is
-    bounded by the gateway's --max-n when the request is built (GenerationCore.build)."""
-    check_sampling(sp, limits=_UNBOUNDED_N, names=names)
+def parse_request(
+    model: type[_Request], body: bytes, limits: Limits = DEFAULT_LIMITS, max_model_len: int | None = None
+) -> Any:
+    """Parse a JSON body into a request model; errors become InvalidRequestError naming the parameter.
 
-
-def parse_request(model: type[_Request], body: bytes) -> Any:
-    """Parse a JSON body into a request model; errors become InvalidRequestError naming the parameter."""
+    The body's nesting is bounded before it is parsed, and its collections and identifiers (check_sizes)
+    before pydantic walks them; max_model_len, when given, bounds each list of token ids by its length."""
+    check_json_depth(body, limits.max_json_depth)
     try:
         data = json.loads(body) if body else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except RecursionError:  # NOTE: check_json_depth stops these; kept for an encoding it does not read
+        raise InvalidRequestError("the request body is nested too deeply") from None
+    except ValueError as error:  # bad JSON, bad UTF-8, an integer of more digits than Python converts
         raise InvalidRequestError(f"the request body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise InvalidRequestError("the request body must be a JSON object")
+    check_sizes(data, limits, max_model_len)
     try:
         return model.model_validate(data)
     except ValidationError as error:
         raise validation_error(error) from None
+
+
+def check_sizes(data: dict[str, Any], limits: Limits, max_model_len: int | None = None) -> None:
+    """Bound every collection and identifier of a parsed body by its length alone, before any element is
+    looked at. Fields of the wrong type are left to pydantic, which reports them."""
+    prompt = data.get("prompt")
+    if isinstance(prompt, list):
+        batch = bool(prompt) and isinstance(prompt[0], list | str)  # else one prompt of token ids
+        check_count(len(prompt) if batch else 1, limits.max_prompts, "prompt", "prompts")
+        if max_model_len is not None:
+            for ids in prompt if batch else [prompt]:
+                if isinstance(ids, list):
+                    check_prompt_len(len(ids), max_model_len, "prompt")
+    tokens = data.get("tokens")  # /detokenize
+    if isinstance(tokens, list) and max_model_len is not None:
+        check_count(len(tokens), max_model_len, "tokens", "token ids")
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        check_count(len(messages), limits.max_messages, "messages", "messages")
+        parts = sum(
+            len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+        )
+        check_count(parts, limits.max_messages, "messages", "content parts")
+    for field, limit, what in (
+        ("stop", limits.max_stop_strings, "strings"),
+        ("stop_token_ids", limits.max_stop_token_ids, "ids"),
+        ("logit_bias", limits.max_logit_bias, "entries"),
+    ):
+        if isinstance(value := data.get(field), list | dict):
+            check_count(len(value), limit, field, what)
+    for field, limit in (
+        ("request_id", limits.max_request_id_chars),
+        ("cache_salt", limits.max_cache_salt_chars),
+        ("user", limits.max_user_chars),
+    ):
+        if isinstance(value := data.get(field), str):
+            check_text(value, max_chars=limit, param=field)
 
 
 def validation_error(error: ValidationError) -> InvalidRequestError:

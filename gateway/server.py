@@ -136,6 +136,7 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer, model: ModelInfo) -
         if grpc_server is not None:
             await grpc_server.stop(max(GRPC_GRACE_S, config.shutdown_timeout))
         await engine.close()
+        app.state.gateway.core.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,9 @@ class Tokenizer:
         self.special_ids: frozenset[int] = frozenset(hf_tokenizer.all_special_ids)
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.has_chat_template = bool(getattr(hf_tokenizer, "chat_template", None))
+        # Characters of the longest token in the vocabulary (byte-level pieces: one character a byte):
+        # bounds how many tokens a text is at least, before it is tokenized.
+        self.max_token_chars: int = max(map(len, hf_tokenizer.get_vocab()), default=1)
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}
 

@@ -2,6 +2,16 @@
 
 Every layer raises these; the gateway turns them into OpenAI's error JSON, the gRPC servicers into a
 status with the message, and a gRPC error crossing a service boundary back into the same class.
+
+Refusals a client can act on, and how it should act:
+- 400 / INVALID_ARGUMENT: the request itself is wrong (a value out of range, a count over a limit); it
+  names the parameter. 413 for a body over --max-body-bytes.
+- 429 / RESOURCE_EXHAUSTED, with Retry-After: the service works but its waiting queue is full; the same
+  request succeeds once load drops (OverloadedError).
+- 503 / UNAVAILABLE, with Retry-After: the service cannot serve now at all (no healthy worker, the
+  scheduler unreachable, shutting down); retry later or elsewhere (UnavailableError).
+- 504 / DEADLINE_EXCEEDED: the request ran past --request-timeout or the gRPC caller's deadline; the
+  engine request was aborted (RequestTimeoutError).
 """
 
 from __future__ import annotations
@@ -54,9 +64,9 @@ class PayloadTooLargeError(PagedServeError):
 
 
 class OverloadedError(PagedServeError):
-    """The waiting queue is full: the client should retry later."""
+    """The waiting queue is full: the client should retry later (429, as OpenAI answers a rate limit)."""
 
-    http_status = HTTPStatus.SERVICE_UNAVAILABLE
+    http_status = HTTPStatus.TOO_MANY_REQUESTS
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     error_type = "server_overloaded"
     # Seconds a client should wait before retrying (HTTP Retry-After).
@@ -72,6 +82,14 @@ class UnavailableError(PagedServeError):
     retry_after = 2
 
 
+class RequestTimeoutError(PagedServeError):
+    """The request ran past its deadline (--request-timeout, or the gRPC caller's own); it was aborted."""
+
+    http_status = HTTPStatus.GATEWAY_TIMEOUT
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    error_type = "timeout"
+
+
 def retry_after_seconds(error: PagedServeError) -> int | None:
     """The Retry-After (seconds) to send with error, or None when retrying as is cannot help."""
     return getattr(error, "retry_after", None)
@@ -82,6 +100,7 @@ _BY_GRPC_CODE: dict[grpc.StatusCode, type[PagedServeError]] = {
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: RequestTimeoutError,
 }
 
 

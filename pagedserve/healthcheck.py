@@ -2,7 +2,7 @@
 
     pagedserve healthcheck --grpc localhost:50052                 grpc.health.v1 Check, "" = whole server
     pagedserve healthcheck --grpc localhost:50061 --service pagedserve.v1.WorkerService
-    pagedserve healthcheck --http http://localhost:8000/health   any 2xx answer
+    pagedserve healthcheck --http http://localhost:8000/ready    any 2xx answer
 
 It imports grpc alone (no torch, no transformers): Docker runs it every few seconds in every container.
 """

@@ -484,7 +484,7 @@ def serve(config: LaunchConfig) -> int:
         http_host = LOOPBACK if config.host in ("0.0.0.0", "::", "") else config.host
         if with_gateway:
             _wait_until(
-                lambda: _http_ready(f"http://{http_host}:{config.port}/health"),
+                lambda: _http_ready(f"http://{http_host}:{config.port}/ready"),
                 supervisor,
                 "gateway",
                 deadline,

@@ -4,11 +4,17 @@ Every way in calls it before any work proportional to the input: the gateway's H
 each API's parameter names), the scheduler's Engine service for whatever reaches it, the offline `LLM`,
 and the worker for each request a plan brings (a plan is input too). A refusal is an
 InvalidRequestError naming the parameter: HTTP 400 in OpenAI's shape, INVALID_ARGUMENT on gRPC.
+
+The order matters as much as the checks: a count or a length is checked before any element is looked at
+(check_count, check_token_ids), a JSON body's nesting before it is parsed (check_json_depth), a text's
+length before it is tokenized (check_prompt_chars).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -37,9 +43,11 @@ class Limits:
     max_messages: int = 2048
     # Nesting of a JSON request body (objects and arrays).
     max_json_depth: int = 64
-    # Characters of a request's cache_salt, and of a client's request id.
+    # Characters of a request's cache_salt, of a client's request id and of its `user` (all are stored
+    # or logged with every line of the request).
     max_cache_salt_chars: int = 256
     max_request_id_chars: int = 256
+    max_user_chars: int = 256
 
 
 DEFAULT_LIMITS = Limits()
@@ -71,15 +79,14 @@ def check_sampling(
         raise InvalidRequestError(f"{param} {message}", param)
 
     # Counts first: they bound every loop below.
-    if len(sp.stop) > limits.max_stop_strings:
-        fail("stop", f"may hold at most {limits.max_stop_strings} strings, got {len(sp.stop)}")
-    if len(sp.stop_token_ids) > limits.max_stop_token_ids:
-        fail(
-            "stop_token_ids",
-            f"may hold at most {limits.max_stop_token_ids} ids, got {len(sp.stop_token_ids)}",
-        )
-    if len(sp.logit_bias) > limits.max_logit_bias:
-        fail("logit_bias", f"may hold at most {limits.max_logit_bias} entries, got {len(sp.logit_bias)}")
+    check_count(len(sp.stop), limits.max_stop_strings, names.get("stop", "stop"), "strings")
+    check_count(
+        len(sp.stop_token_ids),
+        limits.max_stop_token_ids,
+        names.get("stop_token_ids", "stop_token_ids"),
+        "ids",
+    )
+    check_count(len(sp.logit_bias), limits.max_logit_bias, names.get("logit_bias", "logit_bias"), "entries")
     if not 0 <= sp.n <= limits.max_n:
         fail("n", f"must be between 1 and {limits.max_n}, got {sp.n}")
 
@@ -124,25 +131,79 @@ def check_sampling(
             )
 
 
+def check_count(count: int, limit: int, param: str, what: str) -> None:
+    """A collection the client sends (prompts, messages, stop strings, ...) holds at most `limit` items."""
+    if count > limit:
+        raise InvalidRequestError(f"{param} may hold at most {limit} {what}, got {count}", param)
+
+
 def check_prompt(
     token_ids: Sequence[int], *, vocab_size: int | None, max_model_len: int, param: str = "prompt"
 ) -> None:
     """A prompt of token ids: at least one, fewer than the context length (one token must be generated),
     each in the vocabulary. The length is checked before any id is looked at."""
-    n = len(token_ids)
-    if n == 0:
+    check_prompt_len(len(token_ids), max_model_len, param)
+    check_token_ids(token_ids, vocab_size=vocab_size, max_len=max_model_len, param=param)
+
+
+def check_prompt_len(num_tokens: int, max_model_len: int, param: str = "prompt") -> None:
+    """A prompt of num_tokens tokens: at least one, and room left in the context for one more."""
+    if num_tokens == 0:
         raise InvalidRequestError("the prompt is empty: it needs at least one token", param)
-    if n >= max_model_len:
+    if num_tokens >= max_model_len:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-            f"{n} input tokens. Please reduce the length of the input.",
+            f"{num_tokens} input tokens. Please reduce the length of the input.",
             param,
         )
+
+
+def check_token_ids(token_ids: Sequence[int], *, vocab_size: int | None, max_len: int, param: str) -> None:
+    """Token ids (a prompt, or ids to detokenize): at most max_len of them, each in the vocabulary. The
+    length is checked before any id is looked at."""
+    check_count(len(token_ids), max_len, param, "token ids")
+    if not token_ids:
+        return
     low, high = min(token_ids), max(token_ids)
     if low < 0 or (vocab_size is not None and high >= vocab_size):
         bad = low if low < 0 else high
         top = "" if vocab_size is None else f"0..{vocab_size - 1}"
         raise InvalidRequestError(f"token id {bad} is out of the vocabulary ({top})", param)
+
+
+def check_prompt_chars(num_chars: int, *, max_model_len: int, max_token_chars: int, param: str) -> None:
+    """A text prompt too long to fit the context whatever its tokens, refused before it is tokenized.
+
+    A token covers at most max_token_chars characters (the tokenizer's longest piece), so a text of
+    max_model_len * max_token_chars characters or more is at least max_model_len tokens. NOTE: twice that,
+    since a normalizer may fold several characters into one (combining marks)."""
+    limit = 2 * max_model_len * max(max_token_chars, 1)
+    if num_chars >= limit:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{num_chars} characters of input, more than that many tokens can hold. Please reduce the "
+            "length of the input.",
+            param,
+        )
+
+
+# What decides a JSON text's nesting: brackets outside strings. Escaped backslashes, then escaped quotes,
+# then whole strings are dropped (left to right, as a parser pairs them), and the brackets left are
+# counted; every pass is a C loop over the bytes, so a large body costs milliseconds, not seconds.
+_STRING = re.compile(rb'"[^"]*"?')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = [1 if b in b"[{" else -1 for b in range(256)]
+
+
+def check_json_depth(body: bytes, max_depth: int) -> None:
+    """Refuse a JSON text nested deeper than max_depth (objects and arrays) before it is parsed: the
+    parser and everything after it recurse once per level. Nothing here recurses."""
+    if body.count(b"[") + body.count(b"{") <= max_depth:
+        return
+    bare = _STRING.sub(b"", body.replace(b"\\\\", b"").replace(b'\\"', b""))
+    brackets = bare.translate(None, _NOT_BRACKETS)
+    if max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0) > max_depth:
+        raise InvalidRequestError(f"the request body is nested deeper than {max_depth} levels")
 
 
 def check_max_tokens(
@@ -159,7 +220,7 @@ def check_max_tokens(
 
 
 def check_text(value: str, *, max_chars: int, param: str) -> None:
-    """A client-chosen identifier (cache_salt, request id): bounded, since it is stored and logged."""
+    """A client-chosen identifier (cache_salt, request id, user): bounded, since it is stored and logged."""
     if len(value) > max_chars:
         raise InvalidRequestError(
             f"{param} may be at most {max_chars} characters long, got {len(value)}", param

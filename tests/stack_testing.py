@@ -275,7 +275,7 @@ class Stack:
         deadline = time.monotonic() + timeout
         while True:
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.http_url}/health", timeout=2.0).status_code == 200:
+                if httpx.get(f"{self.http_url}/ready", timeout=2.0).status_code == 200:
                     return
             assert self.gateway is not None and self.gateway.poll() is None, self.logs()
             assert time.monotonic() < deadline, f"gateway not ready\n{self.logs()}"

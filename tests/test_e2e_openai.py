@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 from pathlib import Path
@@ -20,7 +21,7 @@ import openai
 import pytest
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from stack_testing import MODEL, Stack, running
+from stack_testing import MODEL, Stack, running, wait_for
 
 from pagedserve.v1 import common_pb2, text_generation_pb2, text_generation_pb2_grpc
 
@@ -34,11 +35,14 @@ SHORT_ANSWER = [{"role": "user", "content": "Is the sky blue? Answer yes or no."
 PROMPT = "The capital of France is"
 MAX_BODY_BYTES = 200_000
 MAX_MODEL_LEN = 4096  # 256 blocks of 16 tokens: the pool bounds the context
+MAX_NUM_SEQS = 4  # a request with n=4 takes every slot, so that the next one waits
+GRPC_AUTH = [("authorization", f"Bearer {API_KEY}")]
 
 
 @pytest.fixture(scope="module")
 def served(default_model_dir, tmp_path_factory):
     args = ["--api-key", API_KEY, "--dtype", "float32", "--num-blocks", "256", "--log-level", "warning"]
+    args += ["--max-num-seqs", str(MAX_NUM_SEQS)]
     env = {"PAGEDSERVE_MAX_BODY_BYTES": str(MAX_BODY_BYTES)}
     log_dir = tmp_path_factory.mktemp("e2e-openai-logs")
     with running(Stack(default_model_dir, log_dir, serve_args=args, env=env)) as stack:
@@ -63,7 +67,7 @@ def _complete(served: Stack, **kwargs):
 
 
 def _tokenize(served: Stack, **body) -> list[int]:
-    response = httpx.post(f"{served.http_url}/tokenize", json=body, timeout=10)
+    response = httpx.post(f"{served.http_url}/tokenize", json=body, headers=AUTH, timeout=10)
     assert response.status_code == 200, response.text
     data = response.json()
     assert data["count"] == len(data["tokens"]) and data["max_model_len"] == MAX_MODEL_LEN
@@ -106,16 +110,17 @@ def test_models_lists_the_served_model(served):
 def test_tokenize_and_detokenize_round_trip(served):
     ids = _tokenize(served, prompt=PROMPT)
     assert len(ids) == 5
-    response = httpx.post(f"{served.http_url}/detokenize", json={"tokens": ids}, timeout=10)
+    response = httpx.post(f"{served.http_url}/detokenize", json={"tokens": ids}, headers=AUTH, timeout=10)
     assert response.json() == {"prompt": PROMPT}
     chat_ids = _tokenize(served, messages=QUESTION)
     assert len(chat_ids) > len(_tokenize(served, prompt=QUESTION[0]["content"]))  # the template's turns
-    bad = httpx.post(f"{served.http_url}/detokenize", json={"tokens": [10**9]}, timeout=10)
+    bad = httpx.post(f"{served.http_url}/detokenize", json={"tokens": [10**9]}, headers=AUTH, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
 
-def test_health_version_and_metrics_answer(served):
+def test_health_ready_version_and_metrics_answer(served):
     assert httpx.get(f"{served.http_url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{served.http_url}/ready", timeout=10).json() == {"ready": True}
     assert httpx.get(f"{served.http_url}/version", timeout=10).json()["version"]
     metrics = httpx.get(f"{served.http_url}/metrics", timeout=10)
     assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
@@ -412,11 +417,18 @@ def test_each_error_has_its_status_code_and_openais_shape(served):
         wrong_key.chat.completions.create(model=MODEL, messages=QUESTION)
 
 
-def test_the_api_key_guards_only_v1(served):
-    # /tokenize, /health and /metrics answered without a key above; /v1 needs it.
-    assert httpx.get(f"{served.openai_base_url}/models", timeout=10).status_code == 401
-    assert httpx.get(f"{served.openai_base_url}/models", headers=AUTH, timeout=10).status_code == 200
-    assert httpx.post(f"{served.http_url}/tokenize", json={"prompt": "x"}, timeout=10).status_code == 200
+def test_the_api_key_guards_every_path_that_touches_the_model(served):
+    for method, path, body in (
+        ("GET", "/v1/models", None),
+        ("POST", "/tokenize", {"prompt": "x"}),
+        ("POST", "/detokenize", {"tokens": [1]}),
+    ):
+        refused = httpx.request(method, f"{served.http_url}{path}", json=body, timeout=10)
+        assert refused.status_code == 401, path
+        allowed = httpx.request(method, f"{served.http_url}{path}", json=body, headers=AUTH, timeout=10)
+        assert allowed.status_code == 200, path
+    for path in ("/health", "/ready", "/metrics", "/version"):
+        assert httpx.get(f"{served.http_url}{path}", timeout=10).status_code == 200, path
 
 
 # ---- metrics ----
@@ -461,15 +473,60 @@ def test_metrics_move_after_requests(served):
     served.wait_idle(timeout=10)
 
 
-def test_dropped_stream_frees_its_blocks(served):
-    stream = _chat(served, stream=True, max_tokens=400, extra_body={"ignore_eos": True})
-    for i, _chunk in enumerate(stream):
-        if i == 3:
-            break
-    assert served.engine_stats().num_blocks_in_use > 0
-    stream.close()
-    stats = served.wait_idle(timeout=10)
-    assert stats.requests_finished["abort"] >= 1
+def _send_completion(served: Stack, body: dict) -> socket.socket:
+    """POST /v1/completions on a raw socket, left unread, so the test chooses when the client goes away."""
+    payload = json.dumps({"model": MODEL, "prompt": PROMPT, "ignore_eos": True, **body}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {served.http_url[7:]}\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    sock = socket.create_connection(served.http_url[7:].split(":"), timeout=10)
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
+def _load(served: Stack) -> tuple[int, int, int]:
+    """What the engine holds now: KV blocks in use, sequences running, requests waiting."""
+    stats = served.engine_stats()
+    return stats.num_blocks_in_use, stats.num_requests_running, stats.num_requests_waiting
+
+
+def _until_load(served: Stack, accept, what: str, timeout: float = 60.0) -> tuple[int, int, int]:
+    """The engine's load once accept(blocks, running, waiting) holds (polled every 50 ms)."""
+
+    def accepted() -> tuple[int, int, int] | None:
+        load = _load(served)
+        return load if accept(*load) else None
+
+    return wait_for(accepted, timeout, what, 0.05)
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["running", "queued"])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_a_client_that_goes_away_frees_its_request_running_or_queued(served, stream, queued):
+    # NOTE: the engine's load, not a counter of aborts: only the load shows the request's blocks freed.
+    # An abort that did not happen leaves it running thousands of tokens, or waiting behind the filler
+    # for as long, far past the generous deadlines below.
+    before = _until_load(served, lambda *load: load == (0, 0, 0), "not idle before the test")
+    filler = None
+    if queued:  # every slot taken by one request's forks: the next request waits
+        filler = _send_completion(served, {"n": MAX_NUM_SEQS, "max_tokens": 900, "temperature": 1.0})
+        _until_load(served, lambda blocks, running, waiting: running == MAX_NUM_SEQS, "filler not running")
+    client = _send_completion(served, {"max_tokens": 3000, "stream": stream})
+    if queued:
+        during = _until_load(served, lambda b, r, waiting: waiting == 1, "request not waiting")
+        assert during[1] == MAX_NUM_SEQS, during
+    else:
+        during = _until_load(served, lambda blocks, running, w: running == 1 and blocks > 0, "not running")
+    client.close()
+    if queued:
+        after = _until_load(
+            served, lambda b, r, waiting: waiting == 0, "the dropped request still waits", timeout=30
+        )
+        assert after[1] == MAX_NUM_SEQS, after  # the filler goes on
+        filler.close()
+    after = _until_load(served, lambda *load: load == before, "the dropped request still holds", timeout=30)
+    print(f"engine load (blocks, running, waiting): before {before}, during {during}, after {after}")
 
 
 # ---- the public gRPC API ----
@@ -480,7 +537,7 @@ def _grpc_generate(served: Stack, **fields) -> list[text_generation_pb2.Generate
     with grpc.insecure_channel(served.grpc_address) as channel:
         stub = text_generation_pb2_grpc.TextGenerationServiceStub(channel)
         request = text_generation_pb2.GenerateRequest(**fields)
-        return list(stub.Generate(request, metadata=[("authorization", f"Bearer {API_KEY}")], timeout=60))
+        return list(stub.Generate(request, metadata=GRPC_AUTH, timeout=60))
 
 
 def test_grpc_text_generation_streams_the_answer(served):
@@ -506,20 +563,57 @@ def test_grpc_prompt_text_and_token_ids_give_the_same_greedy_text(served):
 def test_grpc_tokenize_detokenize_and_list_models(served):
     with grpc.insecure_channel(served.grpc_address) as channel:
         stub = text_generation_pb2_grpc.TextGenerationServiceStub(channel)
-        ids = stub.Tokenize(text_generation_pb2.TokenizeRequest(text=PROMPT), timeout=10)
+        auth = {"metadata": GRPC_AUTH, "timeout": 10}
+        ids = stub.Tokenize(text_generation_pb2.TokenizeRequest(text=PROMPT), **auth)
         assert list(ids.token_ids) == _tokenize(served, prompt=PROMPT)
         assert ids.max_model_len == MAX_MODEL_LEN
         chat = stub.Tokenize(
             text_generation_pb2.TokenizeRequest(
                 messages=[text_generation_pb2.ChatMessage(role="user", content=QUESTION[0]["content"])]
             ),
-            timeout=10,
+            **auth,
         )
         assert list(chat.token_ids) == _tokenize(served, messages=QUESTION)
-        text = stub.Detokenize(text_generation_pb2.DetokenizeRequest(token_ids=ids.token_ids), timeout=10)
+        text = stub.Detokenize(text_generation_pb2.DetokenizeRequest(token_ids=ids.token_ids), **auth)
         assert text.text == PROMPT
-        models = stub.ListModels(text_generation_pb2.ListModelsRequest(), timeout=10).models
+        models = stub.ListModels(text_generation_pb2.ListModelsRequest(), **auth).models
         assert [m.id for m in models] == [MODEL] and models[0].max_model_len == MAX_MODEL_LEN
+        # Each of them touches the model, so each needs the key.
+        for call, request in (
+            (stub.Tokenize, text_generation_pb2.TokenizeRequest(text=PROMPT)),
+            (stub.Detokenize, text_generation_pb2.DetokenizeRequest(token_ids=[1])),
+            (stub.ListModels, text_generation_pb2.ListModelsRequest()),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                call(request, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_grpc_request_ids_are_the_callers_to_echo_and_never_the_engines(served):
+    """One caller reusing a request id: both requests run side by side, and the first one's abort (its
+    client gone) leaves the second whole. The engine never saw "dup"."""
+    long = common_pb2.SamplingParams(max_tokens=400, ignore_eos=True)
+    short = common_pb2.SamplingParams(max_tokens=24, ignore_eos=True)
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        stub = text_generation_pb2_grpc.TextGenerationServiceStub(channel)
+        first = stub.Generate(
+            text_generation_pb2.GenerateRequest(prompt=PROMPT, request_id="dup", sampling=long),
+            metadata=GRPC_AUTH,
+            timeout=60,
+        )
+        assert next(first).request_id == "dup"
+        second = stub.Generate(
+            text_generation_pb2.GenerateRequest(prompt=PROMPT, request_id="dup", sampling=short),
+            metadata=GRPC_AUTH,
+            timeout=60,
+        )
+        got = [next(second)]
+        first.cancel()  # the first request's abort goes out while the second runs
+        got += list(second)
+    assert {m.request_id for m in got} == {"dup"}
+    assert got[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert got[-1].usage.completion_tokens == 24 == sum(len(m.token_ids) for m in got)
+    served.wait_idle(timeout=30)
 
 
 def test_grpc_invalid_request_is_invalid_argument(served):

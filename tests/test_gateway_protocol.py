@@ -11,6 +11,7 @@ from pagedserve.gateway.generation import ChoiceDelta, GenerationCore, ModelInfo
 from pagedserve.gateway.openai_format import ChatFormatter, CompletionFormatter
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from pagedserve.v1 import common_pb2
+from pagedserve.validation import check_sampling
 
 
 def completion(**fields) -> CompletionRequest:
@@ -25,8 +26,10 @@ def chat(**fields) -> ChatCompletionRequest:
 
 
 def refused(make, **fields) -> InvalidRequestError:
+    """The refusal of a request: by the API's own conversion, or by the check both APIs share."""
     with pytest.raises(InvalidRequestError) as info:
-        make(**fields).sampling_params()
+        req = make(**fields)
+        check_sampling(req.sampling_params(), names=req.sampling_names())
     return info.value
 
 
@@ -176,24 +179,28 @@ def core(tokenizer) -> GenerationCore:
 
 
 def test_max_tokens_defaults_to_what_the_context_has_left(core):
-    gen = core.build([Prompt([5] * 30)], common_pb2.SamplingParams(), request_id="r")
+    gen = core.build([Prompt([5] * 30)], common_pb2.SamplingParams(), request_id="r", engine_id="r")
     assert gen.sampling[0].max_tokens == 70
 
 
 def test_prompt_at_or_beyond_the_context_length_is_refused(core):
     with pytest.raises(InvalidRequestError, match="maximum context length is 100 tokens"):
-        core.build([Prompt([5] * 100)], common_pb2.SamplingParams(), request_id="r")
+        core.build([Prompt([5] * 100)], common_pb2.SamplingParams(), request_id="r", engine_id="r")
 
 
 def test_prompt_plus_max_tokens_beyond_the_context_length_is_refused(core):
     with pytest.raises(InvalidRequestError, match=r"you requested 110 tokens") as info:
-        core.build([Prompt([5] * 30)], common_pb2.SamplingParams(max_tokens=80), request_id="r")
+        core.build(
+            [Prompt([5] * 30)], common_pb2.SamplingParams(max_tokens=80), request_id="r", engine_id="r"
+        )
     assert info.value.param == "max_tokens"
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(core, tokenizer):
     with pytest.raises(InvalidRequestError, match="out of the vocabulary"):
-        core.build([Prompt([tokenizer.vocab_size])], common_pb2.SamplingParams(), request_id="r")
+        core.build(
+            [Prompt([tokenizer.vocab_size])], common_pb2.SamplingParams(), request_id="r", engine_id="r"
+        )
 
 
 # ---- both logprobs formats ----
@@ -213,7 +220,7 @@ def test_completions_logprobs_format_has_tokens_offsets_and_top_dicts(tokenizer)
     ids = tokenizer.encode(" Paris is", add_special_tokens=False)
     req = completion(prompt=[1, 2, 3], logprobs=1)
     gen = GenerationCore(None, tokenizer, ModelInfo("m", 100, (2,))).build(
-        [Prompt([1, 2, 3])], req.sampling_params(), request_id="cmpl-x"
+        [Prompt([1, 2, 3])], req.sampling_params(), request_id="cmpl-x", engine_id="e"
     )
     fmt = CompletionFormatter(tokenizer, "m", req, gen)
     entries = [_entry(t, -0.5, [(t, -0.5)]) for t in ids]
@@ -228,7 +235,7 @@ def test_completions_echo_puts_the_prompt_and_its_logprobs_first(tokenizer):
     req = completion(prompt="Hello", echo=True, logprobs=0)
     prompt_ids = tokenizer.encode("Hello")
     gen = GenerationCore(None, tokenizer, ModelInfo("m", 100, (2,))).build(
-        [Prompt(prompt_ids, "Hello")], req.sampling_params(), request_id="cmpl-x"
+        [Prompt(prompt_ids, "Hello")], req.sampling_params(), request_id="cmpl-x", engine_id="e"
     )
     fmt = CompletionFormatter(tokenizer, "m", req, gen)
     prompt_lps = [_entry(t, -1.0, []) for t in prompt_ids[1:]]
@@ -243,7 +250,7 @@ def test_chat_logprobs_format_has_content_with_bytes_and_top_logprobs(tokenizer)
     req = chat(logprobs=True, top_logprobs=1)
     ids = tokenizer.encode("😀", add_special_tokens=False)
     gen = GenerationCore(None, tokenizer, ModelInfo("m", 100, (2,))).build(
-        [Prompt([1, 2])], req.sampling_params(), request_id="chatcmpl-x"
+        [Prompt([1, 2])], req.sampling_params(), request_id="chatcmpl-x", engine_id="e"
     )
     fmt = ChatFormatter(tokenizer, "m", req, gen)
     entries = [_entry(t, -0.1, [(t, -0.1), (17, -3.0)]) for t in ids]

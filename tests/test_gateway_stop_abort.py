@@ -49,7 +49,7 @@ async def test_stop_string_in_one_of_n_sequences_aborts_only_that_sequence(token
     engine = ScriptedEngine(messages)
     core = GenerationCore(engine, tokenizer, ModelInfo("m", 2048, (0,)))
     sampling = common_pb2.SamplingParams(n=2, max_tokens=16, stop=["STOP"])
-    request = GenerationRequest("r", [Prompt([5, 6, 7])], [sampling])
+    request = GenerationRequest("cmpl-r", "r", [Prompt([5, 6, 7])], [sampling])
     deltas = [d async for d in core.generate(request) if not isinstance(d, UsageInfo)]
     finish = {d.index: d.finish_reason for d in deltas if d.finish_reason}
     assert finish == {0: "length", 1: "stop"}

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from stack_testing import Stack, assert_openai_error, running
+from stack_testing import Stack, assert_openai_error, running, wait_for
 
 from pagedserve.grpc_utils import TLSConfig, open_sync_channel
 from pagedserve.internal_tls import generate
@@ -111,6 +111,32 @@ def test_tenants_never_share_cached_blocks_but_one_tenant_does(stack):
 
 
 @pytest.mark.slow
+def test_two_tenants_reusing_one_request_id_never_reach_each_others_request(stack):
+    """Both run side by side under the id they chose; tenant A's request ends early (its client gone, so
+    the gateway aborts it) and tenant B's, same id, is served whole."""
+
+    def generate(stub, key: str, max_tokens: int):
+        request = text_generation_pb2.GenerateRequest(
+            prompt="Hello",
+            request_id="same",
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        )
+        return stub.Generate(request, metadata=[("authorization", f"Bearer {key}")], timeout=60)
+
+    with grpc.insecure_channel(stack.grpc_address) as channel:
+        stub = text_generation_pb2_grpc.TextGenerationServiceStub(channel)
+        a = generate(stub, KEY_A, 400)
+        assert next(a).request_id == "same"
+        b = generate(stub, KEY_B, 16)
+        got = [next(b)]
+        a.cancel()
+        got += list(b)
+    assert {m.request_id for m in got} == {"same"}
+    assert got[-1].usage.completion_tokens == 16 == sum(len(m.token_ids) for m in got)
+    wait_for(lambda: stack.engine_stats().num_requests_running == 0, 30, "tenant A's request still runs")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -163,6 +189,7 @@ def test_api_keys_compare_in_constant_time_and_map_to_distinct_tenants():
     assert keys.tenant_from_header(f"Bearer {KEY_B}") == b
     assert combined_salt(a, "s") != combined_salt(b, "s") != combined_salt("", "s")
     assert ApiKeys([]).tenant(b"anything") == ""
+    assert (keys.tag(a), keys.tag(b), ApiKeys([]).tag("")) == ("t0", "t1", "")
 
 
 def test_a_folder_with_only_pickle_weights_is_refused(tmp_path: Path, default_model_dir: Path):

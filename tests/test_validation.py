@@ -12,10 +12,15 @@ from pagedserve.v1 import common_pb2, engine_pb2
 from pagedserve.validation import (
     SEED_MODULUS,
     Limits,
+    check_count,
+    check_json_depth,
     check_max_tokens,
     check_prompt,
+    check_prompt_chars,
+    check_prompt_len,
     check_sampling,
     check_text,
+    check_token_ids,
     child_seed,
     reduce_seed,
 )
@@ -118,3 +123,61 @@ def test_identifiers_are_bounded():
     with pytest.raises(InvalidRequestError) as refused:
         check_text("s" * 9, max_chars=8, param="cache_salt")
     assert refused.value.param == "cache_salt"
+
+
+class _Unreadable(list):
+    """Token ids whose values must not be read: only their length may be."""
+
+    def __iter__(self):
+        raise AssertionError("an id was read before the length was checked")
+
+    def __getitem__(self, index):
+        raise AssertionError("an id was read before the length was checked")
+
+
+def test_a_prompt_too_long_is_refused_before_any_id_is_read():
+    with pytest.raises(InvalidRequestError, match="context length"):
+        check_prompt(_Unreadable([0] * 10), vocab_size=100, max_model_len=10)
+    with pytest.raises(InvalidRequestError, match="at most 10 token ids"):
+        check_token_ids(_Unreadable([0] * 11), vocab_size=100, max_len=10, param="tokens")
+    with pytest.raises(InvalidRequestError, match="context length"):
+        check_prompt_len(10, 10)
+    check_prompt_len(9, 10)
+
+
+def test_counts_are_bounded_naming_the_parameter():
+    check_count(3, 3, "messages", "messages")
+    with pytest.raises(InvalidRequestError) as refused:
+        check_count(4, 3, "messages", "messages")
+    assert refused.value.param == "messages" and "at most 3 messages, got 4" in refused.value.message
+
+
+def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing():
+    check_prompt_chars(2 * 10 * 8 - 1, max_model_len=10, max_token_chars=8, param="prompt")
+    with pytest.raises(InvalidRequestError) as refused:
+        check_prompt_chars(2 * 10 * 8, max_model_len=10, max_token_chars=8, param="prompt")
+    assert refused.value.param == "prompt" and "context length is 10" in refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("body", "depth"),
+    [
+        (b'{"a": 1}', 1),
+        (b'{"a": [[1], [2, [3]]]}', 4),
+        (b'{"a": "[[[[[[[[[[{{{{{{", "b": []}', 2),  # brackets inside strings do not nest
+        (b'{"a": "\\"[[[[[[[[[[", "b": [1]}', 2),  # nor after an escaped quote
+        (b'{"a": "\\\\", "b": [[[1]]]}', 4),  # an escaped backslash does not escape the quote after it
+        (b"[" * 30 + b"]" * 30, 30),
+        (b'{"x": "unterminated [[[[[[[[[[[[[[', 1),
+    ],
+)
+def test_json_depth_counts_brackets_outside_strings(body, depth):
+    check_json_depth(body, depth)
+    with pytest.raises(InvalidRequestError, match="nested deeper"):
+        check_json_depth(body, depth - 1)
+
+
+def test_json_nested_far_past_the_limit_is_refused_without_recursion():
+    with pytest.raises(InvalidRequestError):
+        check_json_depth(b"[" * 1_000_000 + b"]" * 1_000_000, 64)
+    check_json_depth(b'{"prompt": [' + b"[1, 2]," * 200_000 + b"[3]]}", 3)
