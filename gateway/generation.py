@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from pagedserve import finish_reasons
 from pagedserve.errors import ModelNotFoundError, RequestTimeoutError, UnavailableError
 from pagedserve.logging import get_logger
 from pagedserve.v1 import common_pb2, engine_pb2
@@ -45,11 +46,6 @@ from .tokenization import IncrementalDetokenizer, SequenceText, StopStringMatche
 log = get_logger(__name__)
 tracer = trace.get_tracer(__name__)
 
-FINISH_REASONS = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
 # How long to wait, after aborting a request whose sequences all hit stop strings, for the engine's
 # last message (it carries the cached-prompt-token count). A step is far shorter.
 DRAIN_TIMEOUT_S = 0.25
@@ -442,7 +438,7 @@ class GenerationCore:
     def _consume(
         self, choice: _Choice, msg: engine_pb2.GenerateTokensResponse, sp: common_pb2.SamplingParams
     ) -> ChoiceDelta:
-        finish = FINISH_REASONS.get(msg.finish_reason)
+        finish = finish_reasons.name_of(msg.finish_reason)
         token_ids = list(msg.token_ids)
         # The token that stopped the sequence is counted and returned even when its text is hidden.
         text, used, matched = choice.text.add(token_ids, finish)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import grpc
 import structlog
 
+from pagedserve import finish_reasons
 from pagedserve.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -28,11 +29,6 @@ from .generation import ChoiceDelta, GenerationCore, Prompt, UsageInfo, new_requ
 log = get_logger(__name__)
 
 SERVICE_NAME = text_generation_pb2.DESCRIPTOR.services_by_name["TextGenerationService"].full_name
-_FINISH = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
 
 
 class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServicer):
@@ -131,7 +127,7 @@ class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServi
             text=item.text,
             token_ids=item.token_ids,
             logprobs=item.logprobs,
-            finish_reason=_FINISH.get(item.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED),
+            finish_reason=finish_reasons.code_of(item.finish_reason),
             stop_reason="" if item.stop_reason is None else str(item.stop_reason),
         )
         if item.prompt_logprobs:

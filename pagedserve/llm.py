@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from pagedserve import finish_reasons
+from pagedserve.errors import InvalidRequestError
 from pagedserve.gateway.tokenization import IncrementalDetokenizer, SequenceText, StopStringMatcher, Tokenizer
 from pagedserve.model_files import load_generation_info, model_name, resolve_model
 from pagedserve.sampling_params import SamplingParams
@@ -38,6 +40,7 @@ from pagedserve.scheduler_svc.request import Request
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.service_main import freeze_startup_objects
 from pagedserve.v1 import common_pb2
+from pagedserve.validation import check_max_tokens, check_prompt
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
 from pagedserve.worker_svc.loader import load_model, parse_dtype
 from pagedserve.worker_svc.runner import ModelRunner
@@ -45,11 +48,6 @@ from pagedserve.worker_svc.sampler import Sampler
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams"]
 
-_FINISH_NAMES = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
 # Step budget when the caller gives none (the server's default too).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -276,19 +274,12 @@ class LLM:
         return results
 
     def _check_prompt(self, token_ids: list[int], sp: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("a prompt needs at least one token")
-        vocab = self.model.config.vocab_size
-        if not all(0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"a prompt of {len(token_ids)} tokens leaves no room under max_model_len={self.max_model_len}"
-            )
-        if sp.max_tokens is not None and len(token_ids) + sp.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"{len(token_ids)} prompt tokens + max_tokens={sp.max_tokens} exceed max_model_len={self.max_model_len}"
-            )
+        """The server's checks (pagedserve.validation), raised as ValueError as vLLM's LLM does."""
+        try:
+            check_prompt(token_ids, vocab_size=self.model.config.vocab_size, max_model_len=self.max_model_len)
+            check_max_tokens(len(token_ids), sp.to_proto(), max_model_len=self.max_model_len)
+        except InvalidRequestError as error:
+            raise ValueError(error.message) from None
 
     def _add_request(
         self, request_id: str, position: int, text: str | None, token_ids: list[int], sp: SamplingParams
@@ -377,7 +368,7 @@ class LLM:
         """Append one update's tokens to a sequence's text (the gateway's rules: the text of the token that
         stopped the sequence, EOS or a stop token id, is hidden unless include_stop_str_in_output)."""
         out = seq.output
-        finish = _FINISH_NAMES.get(ro.finish_reason)
+        finish = finish_reasons.name_of(ro.finish_reason)
         sp = t.params
         token_ids = ro.new_token_ids
         text, used, matched = seq.text.add(token_ids, finish)

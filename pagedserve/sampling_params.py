@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve.errors import InvalidRequestError
 from pagedserve.v1 import common_pb2
+from pagedserve.validation import Limits, check_sampling, reduce_seed
+
+_OFFLINE_LIMITS = Limits(max_n=(1 << 32) - 1)
 
 
 @dataclass(slots=True)
@@ -50,22 +54,15 @@ class SamplingParams:
             self.top_k = 0
         if self.n < 1:
             raise ValueError(f"n must be at least 1, not {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, not {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be -1, 0 or positive, not {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], not {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, not {self.max_tokens}")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise ValueError(f"min_tokens must be in 0..max_tokens, not {self.min_tokens}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, not {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in 0..20, not {self.logprobs}")
+        for name in ("max_tokens", "min_tokens", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 1 << 32:
+                raise ValueError(f"{name} must be a non-negative integer, not {value}")
+        # NOTE: the ranges are the server's (pagedserve.validation); n is bounded by the LLM's max_num_seqs.
+        try:
+            check_sampling(self.to_proto(), limits=_OFFLINE_LIMITS)
+        except InvalidRequestError as error:
+            raise ValueError(error.message) from None
 
     def to_proto(self) -> common_pb2.SamplingParams:
         """The proto the scheduler and worker take (stop strings included; the offline loop applies them)."""
@@ -86,7 +83,7 @@ class SamplingParams:
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
         if self.seed is not None:
-            sp.seed = self.seed
+            sp.seed = reduce_seed(self.seed)
         if self.max_tokens is not None:
             sp.max_tokens = self.max_tokens
         if self.logprobs is not None:

@@ -22,29 +22,27 @@ from collections.abc import Callable
 
 import grpc
 
+from pagedserve import finish_reasons
 from pagedserve.errors import InvalidRequestError, OverloadedError, PagedServeError, UnavailableError
 from pagedserve.grpc_utils import WORKER_CHANNEL_OPTIONS, open_channel
 from pagedserve.logging import get_logger
+from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.metrics import EngineMetrics
+from pagedserve.scheduler_svc.request import Request
 from pagedserve.scheduler_svc.request_stream import END, RequestStream
 from pagedserve.scheduler_svc.router import choose_worker
-from pagedserve.scheduler_svc.scheduler import RequestFailure, RequestOutput, Scheduler, SchedulerOutput
+from pagedserve.scheduler_svc.scheduler import RequestFailure, RequestOutput
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
-from pagedserve.scheduler_svc.worker_loop import WorkerEngine
+from pagedserve.scheduler_svc.worker_loop import PromptLogprobs, WorkerEngine, WorkerLoopSettings
 from pagedserve.v1 import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 from pagedserve.validation import check_max_tokens, check_prompt, check_sampling, check_text
 
 log = get_logger("pagedserve.scheduler.engine")
 
-FINISH_NAMES = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
-
 
 class Engine:
-    """The workers, the live request streams, routing, and the numbers behind GetStats."""
+    """The workers, the live request streams, routing, and the numbers behind GetStats. It is each
+    WorkerEngine's listener (worker_loop.WorkerListener)."""
 
     def __init__(
         self,
@@ -77,7 +75,7 @@ class Engine:
     # --- workers ---
     def effective_max_model_len(self) -> int:
         """The context length every healthy worker can serve (the configured one with none up)."""
-        return min((w.core_config.max_model_len for w in self.healthy_workers()), default=self.max_model_len)
+        return min((w.max_model_len for w in self.healthy_workers()), default=self.max_model_len)
 
     def healthy_workers(self) -> list[WorkerEngine]:
         """The workers that take work: their stream is up and they are not leaving."""
@@ -126,7 +124,7 @@ class Engine:
             w for w in self.workers.values() if w.worker_id == reg.worker_id or w.address == reg.address
         ]:
             await self._retire(old)
-        worker = WorkerEngine(self, reg, info, channel)
+        worker = WorkerEngine(self, reg, info, channel, self._loop_settings(reg.worker_id, info))
         self.workers[reg.worker_id] = worker
         worker.start()
         log.info(
@@ -140,6 +138,40 @@ class Engine:
         self._health_changed()
         self._place_pending()
         return engine_pb2.RegisterWorkerResponse(accepted=True)
+
+    def _loop_settings(self, worker_id: str, info: worker_pb2.ModelInfo) -> WorkerLoopSettings:
+        """A worker's loop and scheduler core, from this engine's config and what the worker reported."""
+        cfg = self.config
+        core = SchedulerConfig(
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
+            # NOTE: a sequence must fit the pool alone, or it could never finish (the core refuses
+            # it); a small pool therefore shortens this worker's context rather than failing requests.
+            max_model_len=min(
+                self.max_model_len,
+                info.max_model_len or self.max_model_len,
+                info.num_blocks * info.block_size,
+            ),
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            policy=cfg.scheduling_policy,
+            max_cache_salts=cfg.max_cache_salts,
+        )
+        if core.max_model_len < self.max_model_len:
+            log.warning(
+                "worker_context_shortened",
+                worker_id=worker_id,
+                max_model_len=core.max_model_len,
+                reason="its KV pool or its own limit holds fewer tokens than the model's context",
+            )
+        return WorkerLoopSettings(
+            core=core,
+            max_inflight_plans=cfg.max_inflight_plans,
+            step_timeout=cfg.step_timeout,
+            step_timeout_per_token=cfg.step_timeout_per_token,
+            eos_token_ids=self.eos_token_ids,
+        )
 
     async def _retire(self, worker: WorkerEngine) -> None:
         """Forget the worker: close it, drop it from the workers (and so from Stats), requeue its requests."""
@@ -193,17 +225,13 @@ class Engine:
                 return
             await asyncio.sleep(min(backoff, left))
             try:
-                info = (
-                    await worker.stub.Reset(worker_pb2.ResetRequest(), timeout=max(min(5.0, left), 0.1))
-                ).info
+                info = await worker.reset(timeout=max(min(5.0, left), 0.1))
             except grpc.RpcError:
                 backoff = min(backoff * 2, 10.0)
                 continue
             if worker.closed or self.workers.get(worker.worker_id) is not worker:
                 return
-            worker.info = info
-            worker.reset_core()
-            worker.start()
+            worker.resume(info)
             log.info("worker_reconnected", worker_id=worker.worker_id, address=worker.address)
             self._reconnects.pop(worker.worker_id, None)
             self._health_changed()
@@ -248,7 +276,7 @@ class Engine:
             self.place(stream)
 
     def _retire_counters(self, worker: WorkerEngine) -> None:
-        for key, value in _core_counters(worker.scheduler).items():
+        for key, value in _core_counters(worker).items():
             self.retired[key] += value
 
     def _health_changed(self) -> None:
@@ -264,11 +292,11 @@ class Engine:
         if not worker.draining:
             worker.draining = True
             log.info(
-                "worker_draining", worker_id=worker_id, address=worker.address, requests=len(worker.routes)
+                "worker_draining", worker_id=worker_id, address=worker.address, requests=worker.num_streams
             )
             self._health_changed()
-            if worker.healthy and worker.task is not None and not worker.task.done():
-                worker.wakeup.set()  # the loop ends once its steps in flight are back
+            if worker.healthy and worker.is_running:
+                worker.wake()  # the loop ends once its steps in flight are back
             else:
                 await self._retire(worker)  # failed and not back: its requests have moved already
         await worker.drained.wait()
@@ -350,7 +378,7 @@ class Engine:
         healthy = self.healthy_workers()
         fitting = [w for w in healthy if w.refusal(stream) is None]
         if healthy and not fitting:
-            largest = max(healthy, key=lambda w: w.core_config.num_blocks)
+            largest = max(healthy, key=lambda w: w.num_blocks)
             sp = stream.msg.sampling
             param = "max_tokens" if sp.HasField("max_tokens") else "prompt"
             if stream.n > 1 and stream.is_fresh():
@@ -454,18 +482,14 @@ class Engine:
         if stream.span is not None:
             stream.span.set_attribute("finish_reason", reason)
 
-    # --- step results ---
-    def on_progress(self) -> None:
-        """A step's result came back (tokens advanced)."""
-        self._progress_at = time.monotonic()
-
+    # --- what the workers' loops report (worker_loop.WorkerListener) ---
     def on_requests_failed(self, worker: WorkerEngine, failures: list[RequestFailure]) -> None:
         """Requests a worker's core failed alone (an exception in their part of a step, or the worker
         refused them): their clients hear why; the worker goes on. Those it gave back (retry: they may
         have read what a failed one never computed) are recomputed, as after a worker failure."""
         recompute = []
         for failure in failures:
-            stream = worker.routes.get(failure.request_id)
+            stream = worker.stream_of(failure.request_id)
             if failure.retry:
                 log.info("request_recomputed", request_id=failure.request_id, reason=failure.message)
                 if stream is not None and not stream.done:
@@ -477,28 +501,24 @@ class Engine:
                 self._fail(stream, PagedServeError(failure.message))
         self._requeue(recompute)
 
-    def on_scheduled(self, worker: WorkerEngine, output: SchedulerOutput) -> None:
+    def on_scheduled(self, worker: WorkerEngine, requests: list[Request]) -> None:
         """A plan went out: requests computed for the first time stop counting as queued."""
         now = time.monotonic()
-        for request in output.scheduled:
-            stream = worker.routes.get(request.request_id)
+        for request in requests:
+            stream = worker.stream_of(request.request_id)
             if stream is not None and stream.first_scheduled is None:
                 stream.first_scheduled = now
                 self.metrics.queue_time.observe(now - stream.arrival)
 
-    def deliver(
-        self,
-        worker: WorkerEngine,
-        output: SchedulerOutput,
-        result: worker_pb2.StepResult,
-        outputs: list[RequestOutput],
+    def on_results(
+        self, worker: WorkerEngine, outputs: list[RequestOutput], prompt_logprobs: list[PromptLogprobs]
     ) -> None:
-        """Turn the core's per-sequence outputs of one step into client messages."""
-        now = time.monotonic()
-        if result.prompt_logprobs:
-            self._collect_prompt_logprobs(worker, result)
+        """A step came back (progress): turn its per-sequence outputs into client messages."""
+        now = self._progress_at = time.monotonic()
+        if prompt_logprobs:
+            self._collect_prompt_logprobs(worker, prompt_logprobs)
         for out in outputs:
-            stream = worker.routes.get(out.request_id)
+            stream = worker.stream_of(out.request_id)
             if stream is None or stream.done:
                 continue  # aborted while its plan was in flight
             # NOTE: one request's bookkeeping failing fails that request alone (a try costs nothing until it
@@ -539,16 +559,14 @@ class Engine:
                 stream.queue.put_nowait(message)
                 if stream.num_unfinished == 0:
                     reasons = [s.finish_reason for s in stream.sequences]
-                    self._finish(stream, FINISH_NAMES[max(reasons, key=_finish_rank)], now)
+                    self._finish(stream, finish_reasons.request_reason(reasons), now)
             except Exception as error:
                 log.exception("request_delivery_failed", request_id=out.request_id)
                 self._fail(stream, PagedServeError(f"request {out.request_id!r} failed: {error!r}"))
 
-    def _collect_prompt_logprobs(self, worker: WorkerEngine, result: worker_pb2.StepResult) -> None:
-        slots = [entry.slot for entry in result.prompt_logprobs]
-        requests = worker.plan_builder.requests_at(result.step_id, slots)
-        for entry, request in zip(result.prompt_logprobs, requests, strict=True):
-            stream = worker.routes.get(request.request_id)
+    def _collect_prompt_logprobs(self, worker: WorkerEngine, entries: list[PromptLogprobs]) -> None:
+        for entry in entries:
+            stream = worker.stream_of(entry.request_id)
             if stream is None or stream.prompt_logprobs_sent:
                 continue
             # NOTE: keep each prompt position once, in order (position 0 has none): the n sequences
@@ -564,8 +582,11 @@ class Engine:
     # --- stats ---
     def queued(self) -> tuple[int, int]:
         """(sequences, tokens) waiting over every worker and for a worker: what the queue bounds weigh."""
-        seqs = sum(w.scheduler.num_waiting_seqs for w in self.workers.values())
-        tokens = sum(w.scheduler.num_waiting_tokens for w in self.workers.values())
+        seqs = tokens = 0
+        for worker in self.workers.values():
+            worker_seqs, worker_tokens = worker.queued()
+            seqs += worker_seqs
+            tokens += worker_tokens
         max_model_len = self.effective_max_model_len()
         for stream in self.pending:
             stream_seqs, stream_tokens = stream.weight(max_model_len)
@@ -582,7 +603,7 @@ class Engine:
         counters = dict(self.retired)
         total_blocks = used_blocks = 0
         for worker in self.workers.values():
-            core = worker.scheduler.stats()
+            core = worker.core_stats()
             counters["prefix_cache_queries"] += core.prefix_cache_queries
             counters["prefix_cache_hits"] += core.prefix_cache_hits
             counters["num_preemptions"] += core.num_preemptions
@@ -596,13 +617,13 @@ class Engine:
                     num_cached_free_blocks=core.num_cached_free_blocks,
                     num_running=core.num_running,
                     num_waiting=core.num_waiting,
-                    num_steps=worker.counters.num_steps,
-                    mean_step_seconds=worker.counters.mean_step_seconds,
-                    mean_idle_seconds=worker.counters.mean_idle_seconds,
-                    mean_forward_seconds=worker.counters.mean_forward_seconds,
-                    mean_gap_seconds=worker.counters.mean_gap_seconds,
-                    mean_prepare_seconds=worker.counters.mean_prepare_seconds,
-                    mean_no_work_seconds=worker.counters.mean_no_work_seconds,
+                    num_steps=worker.timings.num_steps,
+                    mean_step_seconds=worker.timings.mean_step_seconds,
+                    mean_idle_seconds=worker.timings.mean_idle_seconds,
+                    mean_forward_seconds=worker.timings.mean_forward_seconds,
+                    mean_gap_seconds=worker.timings.mean_gap_seconds,
+                    mean_prepare_seconds=worker.timings.mean_prepare_seconds,
+                    mean_no_work_seconds=worker.timings.mean_no_work_seconds,
                 )
             )
             if worker.healthy:
@@ -634,13 +655,8 @@ class Engine:
         )
 
 
-def _finish_rank(reason: int) -> int:
-    # The request's finish reason for the counters: abort over length over stop.
-    return {common_pb2.FINISH_REASON_ABORT: 3, common_pb2.FINISH_REASON_LENGTH: 2}.get(reason, 1)
-
-
-def _core_counters(scheduler: Scheduler) -> dict[str, int]:
-    stats = scheduler.stats()
+def _core_counters(worker: WorkerEngine) -> dict[str, int]:
+    stats = worker.core_stats()
     return {
         "prefix_cache_queries": stats.prefix_cache_queries,
         "prefix_cache_hits": stats.prefix_cache_hits,

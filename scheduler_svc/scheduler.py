@@ -20,17 +20,12 @@ import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from pagedserve import finish_reasons
 from pagedserve.v1 import common_pb2, worker_pb2
 
 from .config import SchedulerConfig
 from .kv_cache_manager import CowCopy, KVCacheManager, PrefixHit
 from .request import Request, RequestStatus
-
-_FINISH_NAMES = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
 
 
 @dataclass(slots=True)
@@ -500,7 +495,7 @@ class Scheduler:
         if not group:
             del self._requests[req.request_id]
         self._finished.append(req)
-        self._finished_by_reason[_FINISH_NAMES[reason]] += 1 + len(req.pending_forks)
+        self._finished_by_reason[finish_reasons.NAMES[reason]] += 1 + len(req.pending_forks)
         req.pending_forks = []
 
     def _fail_request(

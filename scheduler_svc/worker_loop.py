@@ -3,7 +3,8 @@
 The loop keeps up to `max_inflight_plans` plans in flight, so plan N+1 is built, encoded and on the wire
 while the worker computes step N; when the core has nothing to schedule (`Scheduler.has_work()`) it
 sends no plan and sleeps on an event that new requests and aborts set. Every decision that spans
-workers (routing, failover, client messages) is the `Engine`'s: the loop calls back into it.
+workers (routing, failover, client messages) is the `Engine`'s: the loop tells it what happened through
+the small `WorkerListener` interface, and the Engine asks a worker only through WorkerEngine's methods.
 
 Supervision: the oldest step in flight has a deadline (`--step-timeout` plus `--step-timeout-per-token`
 times its tokens, from when it became the oldest); a worker that keeps its connection but stops
@@ -16,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -25,13 +28,18 @@ from pagedserve.logging import get_logger
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.metrics import WorkerCounters
 from pagedserve.scheduler_svc.plan import PlanBuilder
+from pagedserve.scheduler_svc.request import Request
 from pagedserve.scheduler_svc.request_stream import RequestStream
-from pagedserve.scheduler_svc.scheduler import Scheduler, SchedulerOutput, pool_refusal
+from pagedserve.scheduler_svc.scheduler import (
+    RequestFailure,
+    RequestOutput,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerStats,
+    pool_refusal,
+)
 from pagedserve.tracing import get_tracer
-from pagedserve.v1 import engine_pb2, worker_pb2, worker_pb2_grpc
-
-if TYPE_CHECKING:
-    from pagedserve.scheduler_svc.engine import Engine
+from pagedserve.v1 import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 
 log = get_logger("pagedserve.scheduler.worker_loop")
 tracer = get_tracer("pagedserve.scheduler")
@@ -41,46 +49,69 @@ class WorkerLost(Exception):
     """The worker's Steps stream ended or broke, or a step outlived its deadline."""
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerLoopSettings:
+    # The worker's scheduler core: its pool, batch and context limits.
+    core: SchedulerConfig
+    # Plans sent before the oldest one's result comes back (2: plan N+1 overlaps step N).
+    max_inflight_plans: int
+    # Seconds the oldest step in flight may take, plus this many per token it computes.
+    step_timeout: float
+    step_timeout_per_token: float
+    # Tokens that end a sequence unless ignore_eos (the model's).
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    # The request whose prompt positions these are.
+    request_id: str
+    # Prompt position of logprobs[0] (position 0 has none).
+    start_position: int
+    # One entry per position from start_position on.
+    logprobs: Sequence[common_pb2.TokenLogprob]
+
+
+class WorkerListener(Protocol):
+    """What a worker's loop tells the Engine (every decision that spans workers is the Engine's)."""
+
+    def on_scheduled(self, worker: WorkerEngine, requests: list[Request]) -> None:
+        """A plan computing these requests went out."""
+
+    def on_results(
+        self, worker: WorkerEngine, outputs: list[RequestOutput], prompt_logprobs: list[PromptLogprobs]
+    ) -> None:
+        """A step's result came back: the sequences' new tokens, and the prompt positions it scored."""
+
+    def on_requests_failed(self, worker: WorkerEngine, failures: list[RequestFailure]) -> None:
+        """These requests failed alone (in the core, or refused by the worker); their blocks are free."""
+
+    def on_worker_failed(self, worker: WorkerEngine, reason: str) -> None:
+        """The stream broke or a step outlived its deadline; the loop has ended."""
+
+    async def on_worker_drained(self, worker: WorkerEngine) -> None:
+        """A draining worker's loop ended with nothing in flight."""
+
+
 class WorkerEngine:
     """One worker: its scheduler core, its Steps stream, and the loop that keeps it busy."""
 
     def __init__(
         self,
-        engine: Engine,
+        listener: WorkerListener,
         registration: engine_pb2.RegisterWorkerRequest,
         info: worker_pb2.ModelInfo,
         channel: grpc.aio.Channel,
+        settings: WorkerLoopSettings,
     ):
-        self.engine = engine
+        self.listener = listener
         self.worker_id = registration.worker_id
         self.address = registration.address
         self.info = info
         self.channel = channel
         self.stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        cfg = engine.config
-        self.core_config = SchedulerConfig(
-            num_blocks=info.num_blocks,
-            block_size=info.block_size,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
-            # NOTE: a sequence must fit the pool alone, or it could never finish (the core refuses
-            # it); a small pool therefore shortens this worker's context rather than failing requests.
-            max_model_len=min(
-                engine.max_model_len,
-                info.max_model_len or engine.max_model_len,
-                info.num_blocks * info.block_size,
-            ),
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            policy=cfg.scheduling_policy,
-            max_cache_salts=cfg.max_cache_salts,
-        )
-        if self.core_config.max_model_len < engine.max_model_len:
-            log.warning(
-                "worker_context_shortened",
-                worker_id=self.worker_id,
-                max_model_len=self.core_config.max_model_len,
-                reason="its KV pool or its own limit holds fewer tokens than the model's context",
-            )
+        self.settings = settings
+        self.core_config = settings.core
         self.scheduler = Scheduler(self.core_config)
         self.plan_builder = PlanBuilder()
         self.counters = WorkerCounters()
@@ -102,7 +133,40 @@ class WorkerEngine:
         # Requests moved off the worker by its drain.
         self.num_moved = 0
 
-    # --- what the router reads ---
+    # --- what the engine and the router read ---
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence this worker serves, in tokens."""
+        return self.core_config.max_model_len
+
+    @property
+    def num_blocks(self) -> int:
+        return self.core_config.num_blocks
+
+    @property
+    def timings(self) -> WorkerCounters:
+        """The worker's step timings (StepResult.timings), accumulated."""
+        return self.counters
+
+    @property
+    def is_running(self) -> bool:
+        """Whether its step loop runs."""
+        return self.task is not None and not self.task.done()
+
+    def core_stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def queued(self) -> tuple[int, int]:
+        """(sequences, tokens) waiting in this worker's core: what the queue bounds weigh."""
+        return self.scheduler.num_waiting_seqs, self.scheduler.num_waiting_tokens
+
+    def stream_of(self, request_id: str) -> RequestStream | None:
+        return self.routes.get(request_id)
+
+    @property
+    def num_streams(self) -> int:
+        return len(self.routes)
+
     def prefix_hit_tokens(self, token_ids, cache_salt: str) -> int:
         cache = self.scheduler.kv.cache
         if cache is None:
@@ -139,7 +203,7 @@ class WorkerEngine:
         """Queue the stream's sequences here; raises InvalidRequestError if this worker can't take them."""
         assert self.healthy
         try:
-            for request in stream.core_requests(self.engine.eos_token_ids):
+            for request in stream.core_requests(self.settings.eos_token_ids):
                 self.scheduler.add_request(request)
         except ValueError as error:
             self.scheduler.abort_request(stream.request_id)
@@ -160,6 +224,20 @@ class WorkerEngine:
         """The stream is done: drop its route (the core has finished its sequences itself)."""
         self.routes.pop(stream.request_id, None)
 
+    def wake(self) -> None:
+        """There may be something new to schedule, or the worker is leaving."""
+        self.wakeup.set()
+
+    async def reset(self, timeout: float) -> worker_pb2.ModelInfo:
+        """Reset the worker process (it forgets every request); raises grpc.RpcError if it does not answer."""
+        return (await self.stub.Reset(worker_pb2.ResetRequest(), timeout=timeout)).info
+
+    def resume(self, info: worker_pb2.ModelInfo) -> None:
+        """The worker answered a Reset: a fresh core, and its loop again."""
+        self.info = info
+        self.reset_core()
+        self.start()
+
     # --- the step loop ---
     def start(self) -> None:
         self.healthy = True
@@ -174,16 +252,16 @@ class WorkerEngine:
             # NOTE: InvalidStateError: a write to a call the worker's end has already finished.
             detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
             log.warning("worker_lost", worker_id=self.worker_id, address=self.address, error=detail)
-            self.engine.on_worker_failed(self, detail or type(error).__name__)
+            self.listener.on_worker_failed(self, detail or type(error).__name__)
         except Exception as error:
             log.exception("worker_loop_failed", worker_id=self.worker_id)
-            self.engine.on_worker_failed(self, f"the scheduler's loop for it failed: {error!r}")
+            self.listener.on_worker_failed(self, f"the scheduler's loop for it failed: {error!r}")
         else:
-            await self.engine.on_worker_drained(self)
+            await self.listener.on_worker_drained(self)
 
     def step_timeout(self, output: SchedulerOutput) -> float:
         """Seconds the worker may take to answer this step once it is the oldest in flight."""
-        cfg = self.engine.config
+        cfg = self.settings
         return cfg.step_timeout + cfg.step_timeout_per_token * output.total_num_scheduled_tokens
 
     async def _step_loop(self) -> None:
@@ -193,8 +271,8 @@ class WorkerEngine:
         # Whether the loop last waited with no plan in flight and nothing to schedule: the worker's gap before
         # the next plan is then a wait for requests, which its counters keep apart from the steady state.
         waited_for_work = False
-        max_inflight = self.engine.config.max_inflight_plans
-        scheduler, plan_builder, engine = self.scheduler, self.plan_builder, self.engine
+        max_inflight = self.settings.max_inflight_plans
+        scheduler, plan_builder, listener = self.scheduler, self.plan_builder, self.listener
         loop = asyncio.get_running_loop()
         # When the oldest step in flight must have answered (loop time).
         deadline = 0.0
@@ -209,7 +287,7 @@ class WorkerEngine:
                     request = plan_builder.build(output)
                     plan = request.plan
                     if failures := scheduler.take_failures():
-                        engine.on_requests_failed(self, failures)
+                        listener.on_requests_failed(self, failures)
                     span = tracer.start_span(
                         "worker.step",
                         attributes={
@@ -224,7 +302,7 @@ class WorkerEngine:
                         deadline = loop.time() + self.step_timeout(output)
                     in_flight.append((output, span, waited_for_work))
                     waited_for_work = False
-                    engine.on_scheduled(self, output)
+                    listener.on_scheduled(self, output.scheduled)
                 # NOTE: one read is always pending, even while idle, so a worker that dies between
                 # requests is noticed at once (its stream ends) rather than at the next plan.
                 if pending_read is None:
@@ -260,7 +338,6 @@ class WorkerEngine:
                 span.end()
                 if in_flight:
                     deadline = loop.time() + self.step_timeout(in_flight[0][0])
-                engine.on_progress()
                 self.counters.observe(result.timings, after_no_work)
                 refused = None
                 if result.refused_slots:
@@ -272,14 +349,25 @@ class WorkerEngine:
                     }
                 outputs = scheduler.update_from_output(output, result, refused)
                 if failures := scheduler.take_failures():
-                    engine.on_requests_failed(self, failures)
-                engine.deliver(self, output, result, outputs)
+                    listener.on_requests_failed(self, failures)
+                listener.on_results(self, outputs, self._prompt_logprobs(result))
         finally:
             for _, span, _ in in_flight:
                 span.end()
             if pending_read is not None:
                 pending_read.cancel()
             call.cancel()
+
+    def _prompt_logprobs(self, result: worker_pb2.StepResult) -> list[PromptLogprobs]:
+        """The result's scored prompt positions, by request (the result names slots)."""
+        if not result.prompt_logprobs:
+            return []
+        slots = [entry.slot for entry in result.prompt_logprobs]
+        requests = self.plan_builder.requests_at(result.step_id, slots)
+        return [
+            PromptLogprobs(request.request_id, entry.start_position, entry.logprobs)
+            for entry, request in zip(result.prompt_logprobs, requests, strict=True)
+        ]
 
     def reset_core(self) -> None:
         """Forget every request: a fresh block pool and trie (the worker is Reset before reuse)."""

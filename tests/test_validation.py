@@ -181,3 +181,42 @@ def test_json_nested_far_past_the_limit_is_refused_without_recursion():
     with pytest.raises(InvalidRequestError):
         check_json_depth(b"[" * 1_000_000 + b"]" * 1_000_000, 64)
     check_json_depth(b'{"prompt": [' + b"[1, 2]," * 200_000 + b"[3]]}", 3)
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"n": 0}, "n"),
+        ({"min_tokens": -1}, "min_tokens"),
+    ],
+)
+def test_the_offline_sampling_params_refuse_what_the_server_refuses(fields, fragment):
+    from pagedserve.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match=fragment):
+        SamplingParams(**fields)
+
+
+def test_an_offline_seed_of_any_integer_is_a_uint64():
+    from pagedserve.sampling_params import SamplingParams
+
+    assert SamplingParams(seed=-1).to_proto().seed == SEED_MODULUS - 1
+
+
+def test_a_requests_finish_reason_is_abort_over_length_over_stop():
+    from pagedserve import finish_reasons
+
+    stop, length, abort = (finish_reasons.code_of(name) for name in ("stop", "length", "abort"))
+    assert finish_reasons.request_reason([stop, stop]) == "stop"
+    assert finish_reasons.request_reason([stop, length]) == "length"
+    assert finish_reasons.request_reason([length, abort, stop]) == "abort"
+    assert finish_reasons.name_of(common_pb2.FINISH_REASON_UNSPECIFIED) is None
+    assert finish_reasons.code_of(None) == common_pb2.FINISH_REASON_UNSPECIFIED
