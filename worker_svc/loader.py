@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from pagedserve.kernels import get_ops
+from pagedserve.kernels.ops import linear_for
 from pagedserve.worker_svc.model import CausalLM, ModelConfig, can_pack_linears
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def cpu_prefers_bf16() -> bool:
     """Whether bfloat16 beats float32 on this CPU: it multiplies bf16 natively, or the C++ kernels have their
     linear layer (AVX2 with FMA: bf16 weights widened as they stream, half the bytes of float32). Elsewhere
     PyTorch emulates bf16 matmuls, about 100x slower than float32 on an AVX2 CPU."""
-    return cpu_has_native_bf16() or get_ops(torch.device("cpu")).linear_kernels() is not None
+    return cpu_has_native_bf16() or linear_for(get_ops(torch.device("cpu")), torch.bfloat16) is not None
 
 
 @functools.cache

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import get_ops
+from pagedserve.kernels.ops import DecoderStack, DecoderStackFactory, LinearKernels, Ops, linear_for
 from pagedserve.worker_svc import host_memory
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -122,7 +123,7 @@ class AttentionMetadata:
 class RMSNorm(nn.Module):
     """RMSNorm through the kernel ops: normalised in float32, multiplied in the model dtype (as HF)."""
 
-    def __init__(self, size: int, eps: float, ops: Any, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, size: int, eps: float, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
         self.ops = ops
@@ -214,7 +215,7 @@ class PackedLinear(nn.Module):
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        kernels: Any = None,
+        kernels: LinearKernels | None = None,
         arena: host_memory.Arena | None = None,
     ) -> None:
         super().__init__()
@@ -242,7 +243,7 @@ def can_pack_linears(dtype: torch.dtype, device: torch.device) -> bool:
     BF16, or AVX2 with FMA; float32: AVX2 with FMA), else where oneDNN runs it (bf16 natively)."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return False
-    if get_ops(device).linear_kernels(dtype) is not None:
+    if linear_for(get_ops(device), dtype) is not None:
         return True
     if dtype == torch.float32:
         return torch.backends.mkldnn.is_available()
@@ -250,7 +251,7 @@ def can_pack_linears(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Any, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.ops = ops
         self.num_heads = config.num_heads
@@ -309,7 +310,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Any, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.ops = ops
         # gate and up in one matmul: the loader concatenates the HF gate_proj and up_proj rows.
@@ -323,7 +324,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Any, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.self_attn = Attention(config, ops, dtype, device)
         self.mlp = MLP(config, ops, dtype, device)
@@ -354,13 +355,16 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Parameter names follow HF without the `model.` prefix, with qkv_proj and gate_up_proj fused."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, ops: Ops | None = None
+    ) -> None:
         super().__init__()
         device = torch.device(device)
         self.config = config
         self.dtype = dtype
         self.device = device
-        ops = get_ops(device)
+        # The kernel ops every layer calls: the device's (get_ops), unless given.
+        self.ops = ops = get_ops(device) if ops is None else ops
         self.embed_tokens = torch.nn.utils.skip_init(
             nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device
         )
@@ -374,8 +378,8 @@ class CausalLM(nn.Module):
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
         # A tied head's packed copy of the embedding matrix (see pack_linears); None: not packed.
         self.tied_head: PackedLinear | None = None
-        # The layers in one C++ call, where the kernels have their linear (see pack_linears).
-        self.stack: Any = None
+        # The layers in one call of the kernels, where they have a DecoderStack (see pack_linears).
+        self.stack: DecoderStack | None = None
 
     @torch.inference_mode()
     def forward(
@@ -436,7 +440,7 @@ class CausalLM(nn.Module):
         """Replace every nn.Linear (and a tied LM head) with a PackedLinear; see can_pack_linears.
         A tied head gets a packed copy of the embedding matrix, tied_head (the lookup needs the plain one)."""
         assert can_pack_linears(self.dtype, self.device), (self.dtype, self.device)
-        kernels = get_ops(self.device).linear_kernels(self.dtype)
+        kernels = linear_for(self.ops, self.dtype)
         arena = host_memory.Arena()
         for module in self.modules():
             for name, child in module.named_children():
@@ -444,16 +448,16 @@ class CausalLM(nn.Module):
                     setattr(module, name, PackedLinear(child.weight, child.bias, kernels, arena))
         if self.lm_head is None:
             self.tied_head = PackedLinear(self.embed_tokens.weight, None, kernels, arena)
-        if kernels is not None:
-            self.stack = self._build_stack()
+        if kernels is not None and self.ops.decoder_stack is not None:
+            self.stack = self._build_stack(self.ops.decoder_stack)
 
-    def _build_stack(self) -> Any:
+    def _build_stack(self, new_stack: DecoderStackFactory) -> DecoderStack:
         """The kernels' DecoderStack over this model's packed weights (shared, not copied). It runs the
         same kernels as forward's Python loop, in the same order (the MLP's gate_up linear and silu_mul
         as one pass, with the same roundings), so both compute the same bits; it saves the Python work
         around each of the ~10 kernel calls per layer (batch 1: ~2 ms a step)."""
         c = self.config
-        stack = get_ops(self.device).decoder_stack(
+        stack = new_stack(
             hidden=c.hidden_size,
             intermediate=c.intermediate_size,
             num_heads=c.num_heads,

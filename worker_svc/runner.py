@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.kernels import get_ops
+from pagedserve.kernels import cpu_ops, get_ops
 from pagedserve.v1 import common_pb2, worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCache
 from pagedserve.worker_svc.model import AttentionMetadata, CausalLM
@@ -77,9 +77,9 @@ class ModelRunner:
         # A decode step's inputs in one call of the CPU kernels where they are the ops (see _model_inputs),
         # over tensors that share the two arrays' memory (made again when an array grows), and a greedy one's
         # sampling in another (see _execute_decode).
-        cpu = self.device.type == "cpu"
-        self._decode_inputs = getattr(self.ops, "decode_inputs", None) if cpu else None
-        self._argmax_append = getattr(self.ops, "argmax_append_", None) if cpu else None
+        extension = cpu_ops.load() if self.ops.name == "cpu" else None
+        self._decode_inputs = None if extension is None else extension.decode_inputs
+        self._argmax_append = None if extension is None else extension.argmax_append_
         self._share_arrays()
         self.slots: dict[int, SlotState] = {}
         # Slots whose NewRequest was refused (see _refusals), with why: left out of every plan that
