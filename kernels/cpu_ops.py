@@ -208,10 +208,13 @@ class CpuOps(ReferenceOps):
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         # One pass bound by memory where torch.argmax is not (the sampling of a greedy decode step); bf16
-        # rows are compared as they widen (exactly), so the sampler need not widen argmax-only logits.
-        if x.dim() == 2 and x.dtype in _ARGMAX_DTYPES and x.stride(-1) == 1 and x.shape[1] > 0:
+        # rows are compared as they widen (exactly), so the sampler need not widen argmax-only logits. The
+        # kernel checks its input (float32 or bf16 [R, V > 0], contiguous rows) itself, and anything else is
+        # torch's: checks in Python here would cost microseconds in every greedy step.
+        try:
             return self._extension.argmax_rows(x)
-        return super().argmax(x)
+        except RuntimeError:
+            return super().argmax(x)
 
     def _decoder_stack(
         self,
@@ -240,9 +243,6 @@ class CpuOps(ReferenceOps):
             min_tile_lanes=TILE_MIN_LANES,
             final_norm=final_norm,
         )
-
-
-_ARGMAX_DTYPES = (torch.float32, torch.bfloat16)
 
 
 if __name__ == "__main__":

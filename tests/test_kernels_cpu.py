@@ -554,57 +554,6 @@ def test_argmax_is_torchs_on_ties_infinities_and_nans(n, dtype):
     assert torch.equal(CPU.argmax(x), CPU.argmax(x.float()))
 
 
-def test_decode_inputs_gather_each_sequences_token_slot_and_table():
-    token_ids = torch.arange(40, dtype=torch.int64).view(4, 10)
-    tables = torch.tensor([[7, 3, 9], [2, 0, 0], [5, 6, 0], [1, 4, 8]], dtype=torch.int32)
-    ids, positions, slot_mapping, block_tables, query_start_loc, context_lens = cpu_ops.load().decode_inputs(
-        token_ids, tables, [3, 1, 2], [9, 2, 4], 4
-    )
-    assert ids.tolist() == [39, 12, 24] and positions.tolist() == [9, 2, 4]
-    assert slot_mapping.tolist() == [8 * 4 + 1, 2 * 4 + 2, 6 * 4 + 0]
-    assert block_tables.tolist() == [[1, 4, 8], [2, 0, 0], [5, 6, 0]]  # the longest sequence's 3 blocks
-    assert query_start_loc.tolist() == [0, 1, 2, 3] and context_lens.tolist() == [10, 3, 5]
-    longs, ints = (ids, positions, slot_mapping), (block_tables, query_start_loc, context_lens)
-    assert all(t.dtype == torch.int64 for t in longs) and all(t.dtype == torch.int32 for t in ints)
-
-
-def test_decode_inputs_refuse_a_slot_or_position_outside_the_arrays():
-    token_ids, tables = torch.zeros(4, 8, dtype=torch.int64), torch.zeros(4, 2, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="slot 4 is outside the arrays"):
-        cpu_ops.load().decode_inputs(token_ids, tables, [4], [0], 4)
-    with pytest.raises(RuntimeError, match="position 8 of slot 1 is outside the arrays"):
-        cpu_ops.load().decode_inputs(token_ids, tables, [1], [8], 4)
-    with pytest.raises(RuntimeError, match="position 7 of slot 1 is outside the arrays"):  # past its table
-        cpu_ops.load().decode_inputs(token_ids, tables, [1], [7], 2)
-    with pytest.raises(RuntimeError, match="slots and start differ in length"):
-        cpu_ops.load().decode_inputs(token_ids, tables, [1, 2], [0], 2)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_argmax_append_writes_each_rows_argmax_at_its_slots_position(dtype):
-    gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(3, 1000, generator=gen).to(dtype)
-    token_ids = torch.full((5, 6), -1, dtype=torch.int64)
-    tokens = cpu_ops.load().argmax_append_(logits, token_ids, [4, 0, 2], [5, 0, 3])
-    want = logits.float().argmax(dim=-1).tolist()
-    assert tokens == want
-    expected = torch.full((5, 6), -1, dtype=torch.int64)
-    expected[4, 5], expected[0, 0], expected[2, 3] = want
-    assert torch.equal(token_ids, expected)
-
-
-def test_argmax_append_refuses_a_place_outside_the_token_ids_and_writes_nothing():
-    logits, token_ids = torch.randn(2, 10), torch.zeros(3, 4, dtype=torch.int64)
-    for slots, positions, message in [
-        ([0, 3], [1, 1], "position 1 of slot 3 is outside the token ids"),
-        ([0, 1], [1, 4], "position 4 of slot 1 is outside the token ids"),
-        ([0], [1], "logits must have a row per slot"),
-    ]:
-        with pytest.raises(RuntimeError, match=message):
-            cpu_ops.load().argmax_append_(logits, token_ids, slots, positions)
-    assert not token_ids.any()
-
-
 def test_argmax_of_anything_else_is_torchs():
     x = torch.randn(6, 40).half()
     assert torch.equal(CPU.argmax(x), x.argmax(dim=-1))
