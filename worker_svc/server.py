@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
 
 import grpc
 import torch
@@ -37,72 +36,16 @@ from pagedserve.grpc_utils import (
     set_serving,
 )
 from pagedserve.logging import get_logger
-from pagedserve.model_files import load_generation_info, model_name, resolve_model
 from pagedserve.service_main import freeze_startup_objects, run_service, stop_on_signals
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pagedserve.worker_svc.assembly import LoadedWorker, load_worker
 from pagedserve.worker_svc.config import WorkerConfig
-from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
-from pagedserve.worker_svc.loader import load_model, parse_dtype
 from pagedserve.worker_svc.request_spans import RequestSpans
 from pagedserve.worker_svc.runner import ModelRunner, PlanError
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 log = get_logger("pagedserve.worker")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-@dataclass(slots=True)
-class LoadedWorker:
-    runner: ModelRunner  # the executor over the loaded model and its KV pool
-    info: worker_pb2.ModelInfo  # what GetModelInfo / Reset answer
-
-
-def load_worker(config: WorkerConfig) -> LoadedWorker:
-    """Load the model, size and allocate the KV pool, build the runner."""
-    model_dir = resolve_model(config.model)
-    device = resolve_device(config.device)
-    dtype = parse_dtype(config.dtype, device)
-    model = load_model(model_dir, dtype, device)
-    mc = model.config
-    generation = load_generation_info(model_dir)
-    max_model_len = min(config.max_model_len or generation.max_model_len, mc.max_position)
-    spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, dtype)
-    num_blocks = resolve_num_blocks(spec, device, config.num_blocks, config.kv_cache_memory)
-    kv_cache = KVCache(spec, num_blocks, device)
-    runner = ModelRunner(model, kv_cache, max_model_len)
-    info = worker_pb2.ModelInfo(
-        model=model_name(model_dir),
-        num_blocks=num_blocks,
-        block_size=config.block_size,
-        dtype=DTYPE_NAMES[dtype],
-        device=str(device),
-        max_model_len=max_model_len,
-        vocab_size=mc.vocab_size,
-        num_layers=mc.num_layers,
-        num_kv_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim,
-        block_bytes=spec.block_bytes,
-        eos_token_ids=list(generation.eos_token_ids),
-    )
-    log.info(
-        "kv_cache_allocated",
-        num_blocks=num_blocks,
-        block_size=config.block_size,
-        kv_cache_bytes=kv_cache.num_bytes,
-        max_model_len=max_model_len,
-        threads=torch.get_num_threads(),
-    )
-    return LoadedWorker(runner, info)
 
 
 class ComputeThread(Executor):
