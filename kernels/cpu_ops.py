@@ -100,20 +100,14 @@ def load() -> ModuleType:
 
 
 class CpuLinear:
-    """The extension's linear layer (kernels.ops.LinearKernels) for the weight dtypes its build has."""
+    """The extension's linear layer (kernels.ops.LinearKernels) for the weight dtypes its build has: its
+    pack_linear_weight ([N / 16, K / 2, 16, 2] bf16, [N / 16, K, 16] float32, padded) and linear, bound as
+    they are, with no Python frame between (the LM head calls linear every step)."""
 
     def __init__(self, extension: ModuleType, dtypes: frozenset[torch.dtype]) -> None:
         self.dtypes = dtypes
-        self._extension = extension
-
-    def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        # [N / 16, K / 2, 16, 2] (float32: [N / 16, K, 16]), padded
-        return self._extension.pack_linear_weight(weight)
-
-    def linear(
-        self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        return self._extension.linear(x, packed, out_features, bias)
+        self.pack_linear_weight = extension.pack_linear_weight
+        self.linear = extension.linear
 
 
 class CpuOps(ReferenceOps):

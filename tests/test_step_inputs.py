@@ -132,3 +132,23 @@ def test_append_refuses_a_place_outside_the_token_ids_and_writes_nothing():
         with pytest.raises(RuntimeError, match=message):
             slot_arrays.append(slots, positions, torch.tensor([1, 2]))
     assert not slot_arrays.token_ids.any()
+
+
+def test_the_build_is_named_after_its_sources_flags_and_folder(tmp_path):
+    # Two checkouts (or an edited source) sharing one extension cache must not load each other's build.
+    from pagedserve.kernels.build import extension_name
+
+    source = tmp_path / "a" / "ops.cpp"
+    source.parent.mkdir()
+    source.write_text("int f() { return 1; }\n")
+    name = extension_name("pagedserve_test", [source], ["-O3"])
+    assert name.startswith("pagedserve_test_") and name == extension_name(
+        "pagedserve_test", [source], ["-O3"]
+    )
+    assert extension_name("pagedserve_test", [source], ["-O2"]) != name
+    elsewhere = tmp_path / "b" / "ops.cpp"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text(source.read_text())
+    assert extension_name("pagedserve_test", [elsewhere], ["-O3"]) != name
+    source.write_text("int f() { return 2; }\n")
+    assert extension_name("pagedserve_test", [source], ["-O3"]) != name

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.kernels import get_ops
 from pagedserve.v1 import common_pb2, worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCache
 from pagedserve.worker_svc.model import CausalLM
@@ -67,7 +66,7 @@ class ModelRunner:
         self.num_blocks = kv_cache.num_blocks
         self.max_model_len = max_model_len
         self.vocab_size = model.config.vocab_size
-        self.ops = get_ops(self.device)
+        self.ops = model.ops  # the kernel ops the model runs on
         self.sampler = sampler or Sampler(self.vocab_size, self.device)
         self._kv_layers = kv_cache.layers
         # Each live slot's token ids and block table.
@@ -165,9 +164,10 @@ class ModelRunner:
     # ---- the steady state: a plain decode step --------------------------------------------------------
 
     def _plain_decode(self, plan: worker_pb2.StepPlan) -> tuple[list[int], list[SlotState]] | None:
-        """The slots and states of a valid plain decode step: live slots, each scheduled once for the one token that completes it (so that it samples), blocks
-        appended at most, nothing freed, added, replaced or copied. Else None: the general path takes
-        the plan, and refuses it if it is broken (see _validate, which accepts every plan this does).
+        """The slots and states of a valid plain decode step: live slots, each scheduled once for the one
+        token that completes it (so that it samples), blocks appended at most, nothing freed, added,
+        replaced or copied. Else None: the general path takes the plan, and refuses it if it is broken (see
+        _validate, which accepts every plan this does).
 
         NOTE: the steady state of decoding, taken with as little Python as it needs: this and the rest of
         the step's Python between two forward passes run cold, the caches full of the weights, where each
@@ -213,9 +213,9 @@ class ModelRunner:
         before_forward: Callable[[], None] | None,
         result: worker_pb2.StepResult,
     ) -> tuple[float, float]:
-        """A plain decode step (see _plain_decode), its outcome written into result: the same state, inputs and
-        result as the general path's, which test_worker_runner checks. Returns the start and end of its forward
-        pass."""
+        """A plain decode step (see _plain_decode), its outcome written into result: the same state, inputs
+        and result as the general path's, which test_worker_runner checks. Returns the start and end of its
+        forward pass."""
         if plan.new_block_ids:
             self._append_blocks(plan)
         start = [state.num_computed_tokens for state in states]
@@ -451,8 +451,8 @@ class ModelRunner:
     def _batch(self, plan: worker_pb2.StepPlan) -> _Batch | None:
         if not plan.slots:
             return None
-        # NOTE: np.fromiter reads a repeated protobuf field about 3x as fast as np.asarray. np.add.accumulate,
-        # not np.cumsum, whose Python wrapper is one more cold call.
+        # NOTE: np.fromiter reads a repeated protobuf field faster than np.asarray; np.add.accumulate, not
+        # np.cumsum, whose Python wrapper is one more cold call.
         n = len(plan.slots)
         slots = np.fromiter(plan.slots, np.int64, n)
         num_scheduled = np.fromiter(plan.num_scheduled_tokens, np.int64, n)
