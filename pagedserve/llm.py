@@ -143,8 +143,7 @@ class LLM:
     ):
         # threads: torch intra-op threads for the CPU model (None: torch's default, one per core).
         # NOTE: on a CPU shared with other busy processes, 1 can be much faster than 2: libgomp's
-        # workers spin at every barrier, so one descheduled thread stalls each op (2-core box at load
-        # ~3.5: a 27-token step 105 ms with 1 thread, ~3 s with 2).
+        # workers spin at every barrier, so one descheduled thread stalls each op (docs/performance.md).
         if threads is not None:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
