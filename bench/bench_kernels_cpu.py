@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from pagedserve.kernels import reference
+from pagedserve.kernels.reference import ReferenceOps
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 BATCHES = (1, 4, 16, 64)
@@ -39,7 +39,7 @@ def time_decode(batch: int, ctx: int, dtype: torch.dtype, min_seconds: float) ->
     context_lens = torch.full((batch,), ctx, dtype=torch.int32)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM).to(dtype)
     args = (query, k_cache, v_cache, block_tables, context_lens, HEAD_DIM**-0.5)
-    times = time_calls(lambda: reference.paged_decode_attention(*args), min_seconds)
+    times = time_calls(lambda: ReferenceOps().paged_decode_attention(*args), min_seconds)
     return min(times) * 1e3, statistics.median(times) * 1e3
 
 
@@ -73,9 +73,10 @@ PREFILL_SHAPES = (
 
 
 def time_prefill(q_len: int, ctx: int, seqs: int, dtype: torch.dtype, min_seconds: float) -> dict[str, float]:
-    """Best milliseconds per call of each path of cpu_ops.paged_prefill_attention."""
+    """Best milliseconds per call of each path of CpuOps.paged_prefill_attention."""
     from pagedserve.kernels import cpu_ops
 
+    ops = cpu_ops.CpuOps()
     blocks_per_seq = -(-ctx // BLOCK_SIZE)
     num_blocks = seqs * blocks_per_seq + 1
     k_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).to(dtype)
@@ -94,7 +95,7 @@ def time_prefill(q_len: int, ctx: int, seqs: int, dtype: torch.dtype, min_second
             ("sdpa", 1 << 62, 0),
         ):
             cpu_ops.TILE_MIN_LANES, cpu_ops.SDPA_MIN_PAIRS = tile_min_lanes, sdpa_min_pairs
-            best[path] = min(time_calls(lambda: cpu_ops.paged_prefill_attention(*args), min_seconds)) * 1e3
+            best[path] = min(time_calls(lambda: ops.paged_prefill_attention(*args), min_seconds)) * 1e3
     finally:
         cpu_ops.TILE_MIN_LANES, cpu_ops.SDPA_MIN_PAIRS = shipped
     return best

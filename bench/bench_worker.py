@@ -200,15 +200,17 @@ def main(argv: list[str] | None = None) -> int:
         blocks_per_seq = -(-(context + num_plans) // args.block_size)
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, dtype)
         runner = ModelRunner(model, KVCache(spec, batch * blocks_per_seq, device), context + num_plans + 1)
-        times, copies = [], []
+        times, copies, prepares, samples = [], [], [], []
         for k, plan in enumerate(decode_plans(batch, context, args.block_size, cfg.vocab_size, num_plans)):
             timed = k % 2 == 1
             if not timed:
                 copies.append(probe.sample())
             t = time.perf_counter()
-            runner.execute(plan)
+            result = runner.execute(plan)
             if timed:
                 times.append(time.perf_counter() - t)
+                prepares.append(result.timings.prepare_seconds)
+                samples.append(result.timings.sample_seconds)
         step = statistics.median(times[1:])  # the first steps warm up allocators and caches
         cell_bandwidth = statistics.median(copies[1:])
         tokens_per_s = batch / step
@@ -220,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                 "batch": batch,
                 "context": context,
                 "step_ms": step * 1e3,
+                "prepare_us": statistics.median(prepares[1:]) * 1e6,
+                "sample_us": statistics.median(samples[1:]) * 1e6,
                 "copy_bandwidth": cell_bandwidth,
                 "kv_bytes": kv_bytes(model, batch, context),
                 "tokens_per_s": tokens_per_s,
@@ -233,19 +237,21 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(
-        f"{'batch':>6} {'context':>8} {'step ms':>9} {'tok/s':>9} {'copy GB/s':>10} {'KV MB':>7} {'ceiling':>9} "
-        f"{'bound':>7} {'of ceiling':>11}"
+        f"{'batch':>6} {'context':>8} {'step ms':>9} {'prep us':>8} {'samp us':>8} {'tok/s':>9} {'copy GB/s':>10} "
+        f"{'KV MB':>7} {'ceiling':>9} {'bound':>7} {'of ceiling':>11}"
     )
     for r in rows:
         bound = "compute" if r["compute_ceiling"] < r["memory_ceiling"] else "memory"
         print(
-            f"{r['batch']:>6} {r['context']:>8} {r['step_ms']:>9.1f} {r['tokens_per_s']:>9.1f} "
+            f"{r['batch']:>6} {r['context']:>8} {r['step_ms']:>9.1f} {r['prepare_us']:>8.0f} {r['sample_us']:>8.0f} "
+            f"{r['tokens_per_s']:>9.1f} "
             f"{r['copy_bandwidth'] / 1e9:>10.1f} {r['kv_bytes'] / 1e6:>7.0f} {r['ceiling_tokens_per_s']:>9.1f} {bound:>7} "
             f"{r['fraction_of_ceiling']:>10.0%}"
         )
     print(
-        "copy GB/s: the median of a copy before every other step of the cell, which sets its memory ceiling; "
-        "KV MB: the K and V a step reads besides the weights (not in the ceiling)"
+        "prep us / samp us: the runner's Python before the forward pass (StepTimings.prepare_seconds) and after "
+        "it (sample_seconds), medians; copy GB/s: the median of a copy before every other step of the cell, "
+        "which sets its memory ceiling; KV MB: the K and V a step reads besides the weights (not in the ceiling)"
     )
     if skipped:
         print(f"skipped (KV pool over {MAX_POOL_TOKENS} tokens): {skipped}")

@@ -3,8 +3,8 @@ runs a mixed prefill + greedy decode on the GPU with the CUDA kernels, and the s
 forced) through (a) the same GPU model with the PyTorch reference ops and (b) the model on CPU with the
 reference ops. Prints the logit differences and the greedy agreement, exits non-zero on a mismatch.
 
-Written against the model interface of INTERFACES.md (CausalLM, AttentionMetadata, get_ops); kept separate
-so a change of that interface is fixed here only.
+Written against the model interface (CausalLM with the kernel ops it is given, AttentionMetadata); kept
+separate so a change of that interface is fixed here only.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from pagedserve.kernels import cuda_ops, reference
+from pagedserve.kernels import cuda_ops
+from pagedserve.kernels.reference import ReferenceOps
 from pagedserve.worker_svc import model as model_mod
 
 # Llama-3-8B attention and MLP shapes, fewer layers (random weights, no download).
@@ -36,13 +37,8 @@ LLAMA_SHAPED = {
 BLOCK_SIZE = 16
 
 
-def build(config, dtype, device, ops_module, state=None):
-    original = model_mod.get_ops
-    model_mod.get_ops = lambda _device: ops_module  # pick the attention ops explicitly
-    try:
-        model = model_mod.CausalLM(config, dtype, device)
-    finally:
-        model_mod.get_ops = original
+def build(config, dtype, device, ops, state=None):
+    model = model_mod.CausalLM(config, dtype, device, ops)  # the kernel ops picked explicitly
     if state is None:
         gen = torch.Generator(device="cpu").manual_seed(0)
         with torch.no_grad():
@@ -121,7 +117,7 @@ def main() -> int:
     num_blocks = 2 * len(prompt_lens) * ((max(prompt_lens) + args.steps) // BLOCK_SIZE + 2)
 
     t0 = time.perf_counter()
-    gpu = build(config, dtype, dev, cuda_ops)
+    gpu = build(config, dtype, dev, cuda_ops.CudaOps(dev))
     state = {k: v.detach().cpu() for k, v in gpu.state_dict().items()}
     # Token stream: random prompts, then greedy continuation chosen by the CUDA-kernel run.
     gen = torch.Generator().manual_seed(2)
@@ -156,12 +152,12 @@ def main() -> int:
     )
 
     ok = True
-    ref_gpu = build(config, dtype, dev, reference, state)
+    ref_gpu = build(config, dtype, dev, ReferenceOps(), state)
     logits_ref = run_stream(ref_gpu, dev, tokens, counts, num_blocks)
     del ref_gpu
     ok &= report("GPU reference ops", logits_gpu, logits_ref, max_rel=0.02, min_agree=0.97)
     if args.cpu:
-        cpu = build(config, dtype, torch.device("cpu"), reference, state)
+        cpu = build(config, dtype, torch.device("cpu"), ReferenceOps(), state)
         logits_cpu = run_stream(cpu, torch.device("cpu"), tokens, counts, num_blocks)
         ok &= report("CPU reference", logits_gpu, logits_cpu, max_rel=0.05, min_agree=0.9)
     print("gpu_e2e:", "OK" if ok else "MISMATCH")

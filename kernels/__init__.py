@@ -1,34 +1,33 @@
-"""Paged KV cache ops and the decoder's fused small ops: CUDA kernels loaded through CuPy on a CUDA
-device, C++ kernels built for this machine on CPU, the PyTorch reference where neither loads.
+"""Paged KV cache ops and the decoder's fused small ops, behind one contract (kernels/ops.py, `Ops`): CUDA
+kernels loaded through CuPy on a CUDA device (cuda_ops.CudaOps), C++ kernels built for this machine on CPU
+(cpu_ops.CpuOps), the PyTorch reference where neither loads (reference.ReferenceOps).
 
-`get_ops(device)` returns a module with write_kv, paged_decode_attention, paged_prefill_attention,
-copy_blocks, rms_norm, add_rms_norm_, rotary_write_kv_ and silu_mul (signatures in kernels/reference.py).
-Importing this package imports neither torch nor CuPy; that happens on the first get_ops call.
+`get_ops(device)` returns the device's backend, one object per device. Importing this package imports
+neither torch nor CuPy; that happens on the first get_ops call.
 
-On CPU, `pagedserve.kernels.cpu_ops` is used unless PAGEDSERVE_CPU_KERNELS=off; a failed build (no
-compiler) is logged once and the reference is used instead.
-
-The CUDA module `pagedserve.kernels.cuda_ops` is used when torch sees a CUDA device, the module imports
-and, if it defines `init(device)` (where it imports CuPy and compiles its kernels), that call succeeds; any failure (no CuPy, no nvrtc, a compile error) is logged once and
-the reference is used instead.
+On CPU the C++ kernels are used unless PAGEDSERVE_CPU_KERNELS=off; a failed build (no compiler) is logged
+once and the reference is used instead. On CUDA the kernels are used when torch sees the device and CudaOps
+can compile and load a kernel there; any failure (no CuPy, no nvrtc, a compile error) is logged once and the
+reference is used instead.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from pagedserve.kernels.ops import Ops
 
 __all__ = ["get_ops"]
 
 CPU_KERNELS_ENV = "PAGEDSERVE_CPU_KERNELS"  # "off": the PyTorch reference on CPU
 
 
-def get_ops(device: torch.device) -> ModuleType:
+def get_ops(device: torch.device) -> Ops:
     if device.type == "cuda":
         cuda_ops = _load_cuda_ops(device.index)
         if cuda_ops is not None:
@@ -37,27 +36,31 @@ def get_ops(device: torch.device) -> ModuleType:
         cpu_ops = _load_cpu_ops()
         if cpu_ops is not None:
             return cpu_ops
-    from pagedserve.kernels import reference
-
-    return reference
+    return _reference_ops()
 
 
 @functools.cache
-def _load_cpu_ops() -> ModuleType | None:
+def _reference_ops() -> Ops:
+    from pagedserve.kernels.reference import ReferenceOps
+
+    return ReferenceOps()
+
+
+@functools.cache
+def _load_cpu_ops() -> Ops | None:
     from pagedserve.logging import get_logger
 
     try:
-        from pagedserve.kernels import cpu_ops
+        from pagedserve.kernels.cpu_ops import CpuOps
 
-        cpu_ops.load()
+        return CpuOps()
     except Exception as exc:  # no C++ compiler or ninja, a build error
         get_logger(__name__).warning("cpu_kernels_unavailable", error=repr(exc), fallback="reference")
         return None
-    return cpu_ops
 
 
 @functools.cache
-def _load_cuda_ops(device_index: int | None) -> ModuleType | None:
+def _load_cuda_ops(device_index: int | None) -> Ops | None:
     import torch
 
     from pagedserve.logging import get_logger
@@ -65,12 +68,9 @@ def _load_cuda_ops(device_index: int | None) -> ModuleType | None:
     try:
         if not torch.cuda.is_available():
             raise RuntimeError("torch sees no CUDA device")
-        from pagedserve.kernels import cuda_ops
+        from pagedserve.kernels.cuda_ops import CudaOps
 
-        init = getattr(cuda_ops, "init", None)
-        if init is not None:
-            init(torch.device("cuda", device_index))
+        return CudaOps(torch.device("cuda", device_index))
     except Exception as exc:  # ImportError for a missing CuPy, CuPy/NVRTC errors when compiling
         get_logger(__name__).warning("cuda_kernels_unavailable", error=repr(exc), fallback="reference")
         return None
-    return cuda_ops

@@ -17,10 +17,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pagedserve CPU kernels: paged attention and fused decoder ops";
   m.def("paged_attention_", &ps::paged_attention_,
         "Causal attention of a flat token batch over the paged KV cache", release_gil());
-  m.def("decode_inputs", &ps::decode_inputs,
-        "A decode step's input ids, positions, slot mapping, block tables, query starts and context lengths");
-  m.def("argmax_append_", &ps::argmax_append_,
-        "The argmax of each row, written into the token ids at its slot's position, and returned");
   m.def("argmax_rows", &ps::argmax_rows, "Index of the largest value of each row (as torch.argmax)");
   m.def("copy_blocks_", &ps::copy_blocks_, "Block src[i] to dst[i] in every cache, in order");
   m.def("rms_norm", &ps::rms_norm, "RMSNorm of the rows of x");

@@ -21,11 +21,6 @@ std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, 
                                       const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                                       double scale, int64_t max_pairs, int64_t min_tile_lanes);
 at::Tensor argmax_rows(const at::Tensor& x);
-std::vector<at::Tensor> decode_inputs(const at::Tensor& token_ids, const at::Tensor& block_tables,
-                                      const std::vector<int64_t>& slots, const std::vector<int64_t>& start,
-                                      int64_t block_size);
-std::vector<int64_t> argmax_append_(const at::Tensor& logits, at::Tensor& token_ids,
-                                    const std::vector<int64_t>& slots, const std::vector<int64_t>& positions);
 void copy_blocks_(const std::vector<at::Tensor>& caches, const at::Tensor& src, const at::Tensor& dst);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);

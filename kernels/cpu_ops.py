@@ -16,7 +16,7 @@ and on AVX2 with FMA one that widens the bf16 weights as it streams them; with e
 all decoder layers of a step in one call. Float32 models get a linear layer of their own (AVX2 with FMA),
 faster than oneDNN's at every batch size on the CPUs measured, and their DecoderStack too. Where the tiled
 path cannot run, long prompts in the model's Python layer loop take dense SDPA (reference.prefill_sequence),
-which beats the per-row kernel on them; DecoderStack has no such fallback (see the note on decoder_stack).
+which beats the per-row kernel on them; DecoderStack has no such fallback (see CpuOps._decoder_stack).
 """
 
 from __future__ import annotations
@@ -29,25 +29,15 @@ from types import ModuleType
 
 import torch
 
-from pagedserve.kernels import reference
-from pagedserve.kernels.reference import write_kv
+from pagedserve.kernels.ops import (
+    DecoderStack,
+    check_attention,
+    check_copy_blocks,
+    int32,
+)
+from pagedserve.kernels.reference import ReferenceOps, prefill_sequence
 
-__all__ = [
-    "add_rms_norm_",
-    "argmax",
-    "argmax_append_",
-    "copy_blocks",
-    "decode_inputs",
-    "decoder_stack",
-    "linear_kernels",
-    "load",
-    "paged_decode_attention",
-    "paged_prefill_attention",
-    "rms_norm",
-    "rotary_write_kv_",
-    "silu_mul",
-    "write_kv",
-]
+__all__ = ["CpuLinear", "CpuOps", "load"]
 
 # The kernels (every instruction set's branches; ATen's core headers only), their interface, and their
 # Python bindings (torch/extension.h), compiled as two translation units.
@@ -59,17 +49,13 @@ BINDINGS = SOURCE.with_name("cpu_bindings.cpp")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 # A sequence of several queries with at least this many query vectors per kv head (queries x the
 # group's query heads) takes the tiled kernel (AVX-512 builds with head sizes a multiple of 16, and AVX2
-# builds), whose tasks fill up to 48 lanes (32 on AVX2); fewer go through the row kernel. -1: the build's own threshold,
-# 16 on AVX-512 and 32 on AVX2 (kTileMinLanes in cpu_ops.cpp, with the AVX2 numbers). Measured on a
-# 2-core AVX-512 machine, bf16, SmolLM2 shapes (9 query heads of 64 over 3 kv heads), per layer, row
-# kernel / tiled / SDPA in ms: 2 queries after 298 cached 0.026 / 0.038; 4: 0.033 / 0.039; 8: 0.055 /
-# 0.041; 26 after 672: 0.42 / 0.20 / 0.88; whole prompts of 275 tokens 0.83 / 0.48 / 1.9, 500: 2.6 /
-# 1.3 / 6.3, 1000: 11.4 / 4.7 / 13.0, 2000: 39.8 / 18.1 / 41.8 (`bench/bench_kernels_cpu.py --prefill
-# --dtype bfloat16`).
+# builds), whose tasks fill up to 48 lanes (32 on AVX2); fewer go through the row kernel, which is faster
+# for them. -1: the build's own threshold, 16 on AVX-512 and 32 on AVX2 (kTileMinLanes in cpu_ops.cpp;
+# the measurements are in docs/performance.md, "Measurements behind the code").
 TILE_MIN_LANES = -1
 # Where the tiled kernel cannot run, a sequence of several queries with more query-key pairs than this
 # goes through dense SDPA (reference.prefill_sequence) instead of the row kernel: very long prompts,
-# whose K/V blocks the row kernel reads once per eight rows (numbers above).
+# whose K/V blocks the row kernel reads once per eight rows.
 SDPA_MIN_PAIRS = 1_000_000
 
 
@@ -113,143 +99,144 @@ def load() -> ModuleType:
     return module
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    batch = query.shape[0]
-    assert block_tables.shape[0] == batch and context_lens.shape == (batch,)
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    starts = torch.arange(batch + 1, dtype=torch.int32)
-    tables, lens = _int32(block_tables), _int32(context_lens)
-    load().paged_attention_(out, query, k_cache, v_cache, tables, starts, lens, scale, -1, TILE_MIN_LANES)
-    return out
+class CpuLinear:
+    """The extension's linear layer (kernels.ops.LinearKernels) for the weight dtypes its build has: its
+    pack_linear_weight ([N / 16, K / 2, 16, 2] bf16, [N / 16, K, 16] float32, padded) and linear, bound as
+    they are, with no Python frame between (the LM head calls linear every step)."""
+
+    def __init__(self, extension: ModuleType, dtypes: frozenset[torch.dtype]) -> None:
+        self.dtypes = dtypes
+        self.pack_linear_weight = extension.pack_linear_weight
+        self.linear = extension.linear
 
 
-def paged_prefill_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    tables, starts, lens = _int32(block_tables), _int32(query_start_loc), _int32(context_lens)
-    # The kernel decides which sequences are SDPA's and leaves their rows to us.
-    for s in load().paged_attention_(
-        out, query, k_cache, v_cache, tables, starts, lens, scale, SDPA_MIN_PAIRS, TILE_MIN_LANES
-    ):
-        rows = slice(int(starts[s]), int(starts[s + 1]))
-        out[rows] = reference.prefill_sequence(query[rows], k_cache, v_cache, tables[s], int(lens[s]), scale)
-    return out
+class CpuOps(ReferenceOps):
+    """kernels.ops.Ops through the extension; write_kv is the reference's (the layers write K and V in
+    rotary_write_kv_), and so is what the extension does not take (see argmax, paged_prefill_attention).
+    Building it builds the extension (or raises, see load)."""
 
+    name = "cpu"
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return load().rms_norm(x, weight, eps)
+    def __init__(self) -> None:
+        self._extension = extension = load()
+        # bf16: AVX-512 BF16, or AVX2 with FMA; float32: AVX2 with FMA
+        dtypes = frozenset(
+            dtype
+            for dtype, has in (
+                (torch.bfloat16, extension.has_linear()),
+                (torch.float32, extension.has_linear_f32()),
+            )
+            if has
+        )
+        self.linear = CpuLinear(extension, dtypes) if dtypes else None
+        self.decoder_stack = self._decoder_stack if dtypes else None
 
+    def paged_decode_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        check_attention(query, k_cache, v_cache, block_tables, context_lens)
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        starts = torch.arange(query.shape[0] + 1, dtype=torch.int32)
+        tables, lens = int32(block_tables), int32(context_lens)
+        self._extension.paged_attention_(
+            out, query, k_cache, v_cache, tables, starts, lens, scale, -1, TILE_MIN_LANES
+        )
+        return out
 
-def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return load().add_rms_norm_(x, delta, weight, eps)
+    def paged_prefill_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        check_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        tables, starts, lens = int32(block_tables), int32(query_start_loc), int32(context_lens)
+        # The kernel decides which sequences are SDPA's and leaves their rows to us.
+        for s in self._extension.paged_attention_(
+            out, query, k_cache, v_cache, tables, starts, lens, scale, SDPA_MIN_PAIRS, TILE_MIN_LANES
+        ):
+            rows = slice(int(starts[s]), int(starts[s + 1]))
+            out[rows] = prefill_sequence(query[rows], k_cache, v_cache, tables[s], int(lens[s]), scale)
+        return out
 
+    def copy_blocks(
+        self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        check_copy_blocks(k_caches, v_caches, src, dst)
+        self._extension.copy_blocks_([*k_caches, *v_caches], src.to(torch.int64), dst.to(torch.int64))
 
-def copy_blocks(
-    k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
-) -> None:
-    assert len(k_caches) == len(v_caches) and src.shape == dst.shape and src.dim() == 1
-    load().copy_blocks_([*k_caches, *v_caches], src.to(torch.int64), dst.to(torch.int64))
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._extension.rms_norm(x, weight, eps)
 
+    def add_rms_norm_(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return self._extension.add_rms_norm_(x, delta, weight, eps)
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    # One pass instead of PyTorch's two (silu, then the product), rounding where they round. SmolLM2's
-    # MLP, bf16, 2 threads, against reference.silu_mul: 1 row 3.0 / 9.8 us, 24 rows 13 / 30 us, 2048
-    # rows 1.08 / 1.96 ms.
-    return load().silu_mul(gate_up)
+    def rotary_write_kv_(
+        self,
+        qk: torch.Tensor,
+        value: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        self._extension.rotary_write_kv_(qk, value, cos, sin, k_cache, v_cache, slot_mapping)
 
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        # One pass instead of PyTorch's two (silu, then the product), rounding where they round.
+        return self._extension.silu_mul(gate_up)
 
-def rotary_write_kv_(
-    qk: torch.Tensor,
-    value: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    load().rotary_write_kv_(qk, value, cos, sin, k_cache, v_cache, slot_mapping)
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        # One pass bound by memory where torch.argmax is not (the sampling of a greedy decode step); bf16
+        # rows are compared as they widen (exactly), so the sampler need not widen argmax-only logits. The
+        # kernel checks its input (float32 or bf16 [R, V > 0], contiguous rows) itself, and anything else is
+        # torch's: checks in Python here would cost microseconds in every greedy step.
+        try:
+            return self._extension.argmax_rows(x)
+        except RuntimeError:
+            return super().argmax(x)
 
-
-def decode_inputs(
-    token_ids: torch.Tensor,
-    block_tables: torch.Tensor,
-    slots: list[int],
-    start: list[int],
-    block_size: int,
-) -> list[torch.Tensor]:
-    """A decode step's inputs from a runner's per-slot arrays (token_ids int64 [rows, tokens],
-    block_tables int32 [rows, blocks]): sequence i (slot slots[i]) computes its token at position
-    start[i]. Returns [input_ids int64 [S], positions int64 [S], slot_mapping int64 [S], block_tables
-    int32 [S, max_blocks], query_start_loc int32 [S + 1], context_lens int32 [S]] (see
-    ModelRunner._model_inputs)."""
-    return load().decode_inputs(token_ids, block_tables, slots, start, block_size)
-
-
-def argmax_append_(
-    logits: torch.Tensor, token_ids: torch.Tensor, slots: list[int], positions: list[int]
-) -> list[int]:
-    """The argmax of each row of logits [S, V] (float32 or bf16, as argmax), written into token_ids
-    (int64 [rows, tokens]) at [slots[i], positions[i]], and returned: a greedy decode step's tokens."""
-    return load().argmax_append_(logits, token_ids, slots, positions)
-
-
-_ARGMAX_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    # torch.argmax reads about 1.3 GB/s on CPU (48 rows of a 49k vocabulary in float32: 1.8 ms, the
-    # sampling of a greedy decode step); this one pass with AVX-512 or AVX2 compares is bound by memory.
-    # bf16 rows are compared as they widen (exactly), so the sampler need not widen argmax-only logits.
-    if x.dim() == 2 and x.dtype in _ARGMAX_DTYPES and x.stride(-1) == 1 and x.shape[1] > 0:
-        return load().argmax_rows(x)
-    return reference.argmax(x)
-
-
-def linear_kernels(dtype: torch.dtype = torch.bfloat16) -> ModuleType | None:
-    """The extension when this build has its linear layer for weights of `dtype` (bf16: AVX-512 BF16, or
-    AVX2 with FMA; float32: AVX2 with FMA): `pack_linear_weight(weight)` once, then `linear(x, packed,
-    out_features, bias)`; else None. The model's prepacked linear layers run through it
-    (model.PackedLinear)."""
-    module = load()
-    if dtype == torch.bfloat16:
-        return module if module.has_linear() else None
-    if dtype == torch.float32:
-        return module if module.has_linear_f32() else None
-    return None
-
-
-def decoder_stack(**shape: object) -> object:
-    """A DecoderStack of the extension (needs linear_kernels(dtype) for the model's dtype, bf16 or
-    float32, which final_norm's sets): a decoder's layers run in one call, over weights packed by its
-    pack_linear_weight. `shape`: hidden, intermediate, num_heads, num_kv_heads, head_dim, eps, scale and
-    final_norm; layers are added with add_layer (model.CausalLM builds it).
-
-    NOTE: its attention never hands a sequence to SDPA. Every prompt chunk of at least TILE_MIN_LANES
-    query vectors per kv head takes the tiled kernel, so this matters only on AVX-512 for head sizes
-    that are not a multiple of 16, or for more than 32 query heads per kv head, whose long prompts then
-    go through the row kernel: slower there, not wrong. The released models of every supported family
-    use head sizes of 64 or 128. On AVX2 the row kernel was as fast as SDPA up to 1000 tokens and 1.08x
-    as slow at 2000, and the tiled kernel is faster than both (one layer of SmolLM2 in bf16, 2 threads,
-    a 2-core Zen 3: 2000 tokens 56.0 ms for the row kernel against 44.4 tiled)."""
-    return load().DecoderStack(min_tile_lanes=TILE_MIN_LANES, **shape)
-
-
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+    def _decoder_stack(
+        self,
+        *,
+        hidden: int,
+        intermediate: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+        final_norm: torch.Tensor,
+    ) -> DecoderStack:
+        # Its attention never hands a sequence to SDPA: where the tiled kernel cannot run (on AVX-512,
+        # head sizes not a multiple of 16, or more than 32 query heads per kv head) long prompts take the
+        # row kernel, slower there but not wrong; every supported family's released models use head
+        # sizes of 64 or 128.
+        return self._extension.DecoderStack(
+            hidden=hidden,
+            intermediate=intermediate,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            eps=eps,
+            scale=scale,
+            min_tile_lanes=TILE_MIN_LANES,
+            final_norm=final_norm,
+        )
 
 
 if __name__ == "__main__":

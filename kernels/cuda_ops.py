@@ -1,4 +1,6 @@
-"""CUDA implementation of the kernel ops (same signatures as pagedserve.kernels.reference).
+"""CUDA implementation of the kernel ops (kernels/ops.py): CudaOps, whose paged cache ops are the kernels in
+kernels/*.cu and whose small pointwise ops, argmax included, are the reference's PyTorch ops on the GPU
+(the model's linear layers are PyTorch's).
 
 The kernels in kernels/*.cu are compiled at run time with NVRTC through CuPy (RawModule, one module per
 template instantiation, cached in memory and by CuPy on disk) and launched on torch's current stream with
@@ -25,22 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-# The decoder's small pointwise ops and the sampler's argmax run as PyTorch ops on the GPU, and its
-# linear layers are PyTorch's.
-from pagedserve.kernels.reference import add_rms_norm_, argmax, linear_kernels, rms_norm, rotate_, silu_mul
+from pagedserve.kernels.ops import check_attention, check_copy_blocks, check_write_kv, int32
+from pagedserve.kernels.reference import ReferenceOps
 
-__all__ = [
-    "add_rms_norm_",
-    "argmax",
-    "copy_blocks",
-    "linear_kernels",
-    "paged_decode_attention",
-    "paged_prefill_attention",
-    "rms_norm",
-    "rotary_write_kv_",
-    "silu_mul",
-    "write_kv",
-]
+__all__ = ["CudaOps", "CudaOpsUnavailable", "is_available", "paged_decode_attention_splits"]
 
 KERNEL_DIR = Path(__file__).resolve().parent
 CU_FILES = ("cache_ops.cu", "decode_attention.cu", "prefill_attention.cu")
@@ -257,12 +247,6 @@ def precompile(items: list[Entry], workers: int | None = None) -> None:
         list(pool.map(_compile_in_subprocess, batches))
 
 
-def init(device: torch.device) -> None:
-    """Called by kernels.get_ops before choosing this module: fails (CudaOpsUnavailable, or NVRTC's error)
-    unless CuPy loads and can compile and load a kernel on `device`."""
-    _kernel(write_kv_entry(16), _device_index(device))
-
-
 # ---- launch helpers -------------------------------------------------------------------------------------
 
 
@@ -280,12 +264,11 @@ def _check_shape(head_size: int, block_size: int) -> None:
 
 
 def _check_cache(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[str, int, int]:
-    """What the attention kernels need of a query and its paged K/V cache: the dtype tag, block size and
-    KV head count, after checking the shapes are ones the kernels were built for."""
-    num_q_heads, head_size = query.shape[1:]
+    """What the attention kernels need of a query's paged K/V cache (its shapes checked by
+    ops.check_attention): the dtype tag, block size and KV head count, after checking they are ones the
+    kernels were built for."""
+    head_size = query.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
-    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_size
-    assert num_q_heads % num_kv_heads == 0
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     tag = _tag(k_cache.dtype)
     _check_shape(head_size, block_size)
@@ -300,10 +283,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     """Contiguous and 16-byte aligned (the kernels load 16-byte vectors)."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-def _int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.to(device=device, dtype=torch.int32).contiguous()
 
 
 def _int64(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -355,70 +334,6 @@ def _copy_unit(*byte_quantities: int) -> int:
     return 1
 
 
-# ---- the four ops ---------------------------------------------------------------------------------------
-
-
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    num_tokens, num_kv_heads, head_size = key.shape
-    assert value.shape == key.shape
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_size)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    if num_tokens == 0:
-        return
-    device = k_cache.device
-    # The kernel copies whole token rows, so a row must be contiguous; a token stride may be anything (a
-    # slice of a fused qkv projection is passed without a copy).
-    key = key.to(k_cache.dtype)
-    value = value.to(v_cache.dtype)
-    if key.stride(2) != 1 or key.stride(1) != head_size:
-        key = key.contiguous()
-    if value.stride(2) != 1 or value.stride(1) != head_size:
-        value = value.contiguous()
-    slots = _int64(slot_mapping, device)
-    elsize = k_cache.element_size()
-    row_bytes = num_kv_heads * head_size * elsize
-    unit = _copy_unit(
-        row_bytes,
-        key.stride(0) * elsize,
-        value.stride(0) * elsize,
-        key.data_ptr(),
-        value.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-    )
-    args = (
-        _ptr(key),
-        _ptr(value),
-        _ptr(k_cache),
-        _ptr(v_cache),
-        _ptr(slots),
-        np.int64(row_bytes // unit),
-        np.int64(key.stride(0) * elsize // unit),
-        np.int64(value.stride(0) * elsize // unit),
-    )
-    _launch(device, write_kv_entry(unit), (num_tokens,), (128,), args)
-
-
-def rotary_write_kv_(
-    qk: torch.Tensor,
-    value: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """RoPE in place (PyTorch ops), then the keys and values into the cache with the write_kv kernel."""
-    rotate_(qk, cos, sin)
-    write_kv(qk[:, qk.shape[1] - value.shape[1] :], value, k_cache, v_cache, slot_mapping)
-
-
 def _independent_waves(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     """Splits copy pairs into consecutive groups in which no pair reads or writes another's destination, so
     each group may run in parallel and the whole behaves like copying in list order."""
@@ -435,28 +350,6 @@ def _independent_waves(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int
     return waves
 
 
-def copy_blocks(
-    k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
-) -> None:
-    assert src.shape == dst.shape
-    if src.numel() == 0 or not k_caches:
-        return
-    caches = [*k_caches, *v_caches]
-    first = caches[0]
-    device = first.device
-    assert all(c.shape == first.shape and c.dtype == first.dtype and c.is_contiguous() for c in caches)
-    block_bytes = first[0].numel() * first.element_size()
-    unit = _copy_unit(block_bytes, *(c.data_ptr() for c in caches))
-    ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64).to(device)
-    # The pair list is small (copy-on-write of a few blocks); reading it on the host costs one sync at most.
-    pairs = list(zip(src.tolist(), dst.tolist(), strict=True))
-    for wave in _independent_waves(pairs):
-        wave_src = torch.tensor([s for s, _ in wave], dtype=torch.int64).to(device)
-        wave_dst = torch.tensor([d for _, d in wave], dtype=torch.int64).to(device)
-        args = (_ptr(ptrs), _ptr(wave_src), _ptr(wave_dst), np.int64(block_bytes // unit))
-        _launch(device, copy_blocks_entry(unit), (len(wave), len(caches)), (256,), args)
-
-
 def choose_num_splits(num_ctas: int, max_blocks: int, block_size: int, num_sms: int) -> int:
     """Split-K heuristic for decode: split the context over several CTAs only when the (sequence, kv head)
     CTAs alone cannot keep every SM busy for several waves and the context is long enough that each split
@@ -466,17 +359,6 @@ def choose_num_splits(num_ctas: int, max_blocks: int, block_size: int, num_sms: 
     if num_ctas >= target or max_tokens < 2 * MIN_SPLIT_TOKENS:
         return 1
     return max(1, min(math.ceil(target / num_ctas), max_tokens // MIN_SPLIT_TOKENS, MAX_SPLITS))
-
-
-def paged_decode_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    return paged_decode_attention_splits(query, k_cache, v_cache, block_tables, context_lens, scale, None)
 
 
 def paged_decode_attention_splits(
@@ -490,6 +372,7 @@ def paged_decode_attention_splits(
 ) -> torch.Tensor:
     """paged_decode_attention with an explicit split-K count (None: the heuristic). Tests and the benchmark
     force both paths through this."""
+    check_attention(query, k_cache, v_cache, block_tables, context_lens)
     batch, num_q_heads, head_size = query.shape
     tag, block_size, num_kv_heads = _check_cache(query, k_cache, v_cache)
     device = k_cache.device
@@ -497,8 +380,8 @@ def paged_decode_attention_splits(
         return torch.empty_like(query)
     out_dtype = query.dtype
     query = _aligned(query.to(k_cache.dtype))
-    tables = _int32(block_tables, device)
-    lens = _int32(context_lens, device)
+    tables = int32(block_tables, device)
+    lens = int32(context_lens, device)
     max_blocks = tables.shape[1]
 
     group = num_q_heads // num_kv_heads
@@ -566,51 +449,148 @@ def prefill_smem_bytes(head_size: int) -> int:
     return (PREFILL_ROWS * head_size + 2 * PREFILL_BK * (head_size + 1)) * 4
 
 
-def paged_prefill_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    num_tokens, num_q_heads, head_size = query.shape
-    tag, block_size, num_kv_heads = _check_cache(query, k_cache, v_cache)
-    device = k_cache.device
-    out_dtype = query.dtype
-    query = _aligned(query.to(k_cache.dtype))
-    out = torch.empty_like(query)
-    num_seqs = context_lens.shape[0]
-    if num_tokens == 0 or num_seqs == 0:
-        return out
-    tables = _int32(block_tables, device)
-    starts = _int32(query_start_loc, device)
-    lens = _int32(context_lens, device)
-    group = num_q_heads // num_kv_heads
-    offsets = _tile_offsets(query_start_loc, starts, group)
+# ---- the ops ---------------------------------------------------------------------------------------------
 
-    entry = prefill_entry(tag, head_size, block_size)
-    smem = prefill_smem_bytes(head_size)
-    kernel = _kernel(entry, _device_index(device))
-    if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
-        kernel.max_dynamic_shared_size_bytes = smem  # opt in above the 48 KiB default
-    # Upper bound on the tiles (sum of ceil(q_len * G / ROWS)); CTAs past the last real tile exit at once.
-    grid = (math.ceil(num_tokens * group / PREFILL_ROWS) + num_seqs, num_kv_heads)
-    args = (
-        _ptr(out),
-        _ptr(query),
-        _ptr(k_cache),
-        _ptr(v_cache),
-        _ptr(tables),
-        _ptr(starts),
-        _ptr(lens),
-        _ptr(offsets),
-        np.int32(num_seqs),
-        np.float32(scale),
-        np.int32(num_q_heads),
-        np.int32(num_kv_heads),
-        np.int32(tables.shape[1]),
-    )
-    _launch(device, entry, grid, (PREFILL_THREADS,), args, shared_mem=smem)
-    return out.to(out_dtype)
+
+class CudaOps(ReferenceOps):
+    """kernels.ops.Ops on CUDA: write_kv, copy_blocks and both attentions are the kernels here, launched on
+    torch's current stream; the rest is the reference's PyTorch on the GPU (rotary_write_kv_ rotates with
+    PyTorch ops, then writes with the write_kv kernel)."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        """Fails (CudaOpsUnavailable, or NVRTC's error) unless CuPy loads and can compile and load a kernel on
+        `device`; kernels.get_ops then takes the reference."""
+        _kernel(write_kv_entry(16), _device_index(device))
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        check_write_kv(key, value, k_cache, v_cache, slot_mapping)
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        num_tokens, num_kv_heads, head_size = key.shape
+        if num_tokens == 0:
+            return
+        device = k_cache.device
+        # The kernel copies whole token rows, so a row must be contiguous; a token stride may be anything (a
+        # slice of a fused qkv projection is passed without a copy).
+        key = key.to(k_cache.dtype)
+        value = value.to(v_cache.dtype)
+        if key.stride(2) != 1 or key.stride(1) != head_size:
+            key = key.contiguous()
+        if value.stride(2) != 1 or value.stride(1) != head_size:
+            value = value.contiguous()
+        slots = _int64(slot_mapping, device)
+        elsize = k_cache.element_size()
+        row_bytes = num_kv_heads * head_size * elsize
+        unit = _copy_unit(
+            row_bytes,
+            key.stride(0) * elsize,
+            value.stride(0) * elsize,
+            key.data_ptr(),
+            value.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+        )
+        args = (
+            _ptr(key),
+            _ptr(value),
+            _ptr(k_cache),
+            _ptr(v_cache),
+            _ptr(slots),
+            np.int64(row_bytes // unit),
+            np.int64(key.stride(0) * elsize // unit),
+            np.int64(value.stride(0) * elsize // unit),
+        )
+        _launch(device, write_kv_entry(unit), (num_tokens,), (128,), args)
+
+    def copy_blocks(
+        self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        check_copy_blocks(k_caches, v_caches, src, dst)
+        if src.numel() == 0 or not k_caches:
+            return
+        caches = [*k_caches, *v_caches]
+        first = caches[0]
+        device = first.device
+        assert all(c.shape == first.shape and c.dtype == first.dtype and c.is_contiguous() for c in caches)
+        block_bytes = first[0].numel() * first.element_size()
+        unit = _copy_unit(block_bytes, *(c.data_ptr() for c in caches))
+        ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64).to(device)
+        # The pair list is small (copy-on-write of a few blocks); reading it on the host costs one sync at
+        # most.
+        pairs = list(zip(src.tolist(), dst.tolist(), strict=True))
+        for wave in _independent_waves(pairs):
+            wave_src = torch.tensor([s for s, _ in wave], dtype=torch.int64).to(device)
+            wave_dst = torch.tensor([d for _, d in wave], dtype=torch.int64).to(device)
+            args = (_ptr(ptrs), _ptr(wave_src), _ptr(wave_dst), np.int64(block_bytes // unit))
+            _launch(device, copy_blocks_entry(unit), (len(wave), len(caches)), (256,), args)
+
+    def paged_decode_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_decode_attention_splits(query, k_cache, v_cache, block_tables, context_lens, scale, None)
+
+    def paged_prefill_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        check_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+        num_tokens, num_q_heads, head_size = query.shape
+        tag, block_size, num_kv_heads = _check_cache(query, k_cache, v_cache)
+        device = k_cache.device
+        out_dtype = query.dtype
+        query = _aligned(query.to(k_cache.dtype))
+        out = torch.empty_like(query)
+        num_seqs = context_lens.shape[0]
+        if num_tokens == 0 or num_seqs == 0:
+            return out
+        tables = int32(block_tables, device)
+        starts = int32(query_start_loc, device)
+        lens = int32(context_lens, device)
+        group = num_q_heads // num_kv_heads
+        offsets = _tile_offsets(query_start_loc, starts, group)
+
+        entry = prefill_entry(tag, head_size, block_size)
+        smem = prefill_smem_bytes(head_size)
+        kernel = _kernel(entry, _device_index(device))
+        if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
+            kernel.max_dynamic_shared_size_bytes = smem  # opt in above the 48 KiB default
+        # Upper bound on the tiles (sum of ceil(q_len * G / ROWS)); CTAs past the last real tile exit at
+        # once.
+        grid = (math.ceil(num_tokens * group / PREFILL_ROWS) + num_seqs, num_kv_heads)
+        args = (
+            _ptr(out),
+            _ptr(query),
+            _ptr(k_cache),
+            _ptr(v_cache),
+            _ptr(tables),
+            _ptr(starts),
+            _ptr(lens),
+            _ptr(offsets),
+            np.int32(num_seqs),
+            np.float32(scale),
+            np.int32(num_q_heads),
+            np.int32(num_kv_heads),
+            np.int32(tables.shape[1]),
+        )
+        _launch(device, entry, grid, (PREFILL_THREADS,), args, shared_mem=smem)
+        return out.to(out_dtype)

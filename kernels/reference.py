@@ -1,17 +1,12 @@
-"""The paged KV cache ops in plain PyTorch: the reference the CUDA kernels are tested against, and the
-production path on CPU.
+"""The kernel ops in plain PyTorch (kernels/ops.py has the contract): the reference the C++ and CUDA
+kernels are tested against, the production path where neither loads, and the base class of both, whose
+ops they do not replace run as here.
 
-Cache layout per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; a slot is
-block_id * block_size + offset_in_block. The ops index the caches by that shape, so any strides do (the
-CPU pool's tensors are views of a head-major allocation, see worker_svc/kv_cache.py). Attention gathers
-each sequence's K/V blocks through its block table into a dense [.., num_kv_heads, ctx, head_dim] tensor
-and runs dense attention over it; that copy is the price of staying in stock PyTorch.
-
-Positions at or beyond a sequence's context length must not reach the output: garbage there (e.g. NaN
-in a recycled block) would do so through 0 * NaN in probs @ V. Prefill keeps only the first ctx positions
-of the blocks it gathers; decode gathers whole blocks for the batch's longest context, so it zeroes the
-V rows past each sequence's length and masks their scores to -inf. Block table entries past a sequence's
-last block are never dereferenced.
+Attention gathers each sequence's K/V blocks through its block table into a dense
+[.., num_kv_heads, ctx, head_dim] tensor and runs dense attention over it; that copy is the price of
+staying in stock PyTorch. Prefill keeps only the first ctx positions of the blocks it gathers; decode
+gathers whole blocks for the batch's longest context, so it zeroes the V rows past each sequence's length
+and masks their scores to -inf (0 * NaN in probs @ V would leak a recycled block's NaN).
 """
 
 from __future__ import annotations
@@ -19,81 +14,175 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.ops import (
+    DecoderStackFactory,
+    LinearKernels,
+    check_attention,
+    check_copy_blocks,
+    check_write_kv,
+)
+
 _REDUCED = (torch.float16, torch.bfloat16)
 
-
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    assert key.shape == value.shape and key.shape[1:] == (num_kv_heads, head_dim), (key.shape, k_cache.shape)
-    assert v_cache.shape == k_cache.shape
-    assert slot_mapping.shape == (key.shape[0],), (slot_mapping.shape, key.shape)
-    if slot_mapping.numel() == 0:
-        return
-    slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
-    if int(slots.min()) < 0:  # padding tokens: skipped, their slots stay untouched
-        keep = slots >= 0
-        slots, key, value = slots[keep], key[keep], value[keep]
-    # Indexed by (block, offset), so that any layout of the cache's strides takes the rows (see the module
-    # docstring).
-    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
-    k_cache[blocks, offsets] = key.to(k_cache.dtype)
-    v_cache[blocks, offsets] = value.to(v_cache.dtype)
-
-
-def _compute_dtype(query: torch.Tensor) -> torch.dtype:
-    # NOTE: bf16/fp16 are accumulated in float32: scores of a long context summed in bf16 lose digits.
-    return torch.float32 if query.dtype in _REDUCED else query.dtype
-
-
-# NOTE: decode gathers K/V for this many bytes of sequences at a time. Temporaries of tens of MB are
-# mmapped and page-faulted afresh by malloc on every call, and a chunk that fits in cache is consumed
-# while still hot: on a 2-core box, batch 16 x ctx 1024 went from ~55 ms to ~12 ms when the big buffers
-# stopped being re-faulted.
+# Decode gathers K/V for this many bytes of sequences at a time: a chunk that fits in cache is consumed
+# while still hot, and malloc does not map and fault temporaries of tens of MB afresh on every call
+# (docs/performance.md, "Measurements behind the code").
 DECODE_GATHER_BYTES = 4 << 20
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    batch, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
-    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    assert block_tables.shape[0] == batch and context_lens.shape == (batch,)
-    if batch == 0:
-        return torch.empty_like(query)
-    assert int(context_lens.min()) >= 1, "a decode query attends to at least its own position"
-    max_ctx = int(context_lens.max())
-    dtype = _compute_dtype(query)
-    seq_bytes = 2 * max_ctx * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
-    chunk = max(1, DECODE_GATHER_BYTES // seq_bytes)
-    if chunk >= batch:
-        return _decode(query, k_cache, v_cache, block_tables, context_lens, scale, max_ctx, dtype)
-    out = torch.empty_like(query)
-    for i in range(0, batch, chunk):
-        lens = context_lens[i : i + chunk]
-        out[i : i + chunk] = _decode(
-            query[i : i + chunk],
-            k_cache,
-            v_cache,
-            block_tables[i : i + chunk],
-            lens,
-            scale,
-            int(lens.max()),
-            dtype,
-        )
-    return out
+class ReferenceOps:
+    """kernels.ops.Ops in PyTorch, on any device."""
+
+    name = "reference"
+    linear: LinearKernels | None = None  # the model's linear layers are PyTorch's
+    decoder_stack: DecoderStackFactory | None = None
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        check_write_kv(key, value, k_cache, v_cache, slot_mapping)
+        if slot_mapping.numel() == 0:
+            return
+        slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
+        if int(slots.min()) < 0:  # padding tokens: skipped, their slots stay untouched
+            keep = slots >= 0
+            slots, key, value = slots[keep], key[keep], value[keep]
+        # Indexed by (block, offset), so that any layout of the cache's strides takes the rows.
+        blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
+        k_cache[blocks, offsets] = key.to(k_cache.dtype)
+        v_cache[blocks, offsets] = value.to(v_cache.dtype)
+
+    def paged_decode_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        check_attention(query, k_cache, v_cache, block_tables, context_lens)
+        batch, _, head_dim = query.shape
+        num_kv_heads = k_cache.shape[2]
+        if batch == 0:
+            return torch.empty_like(query)
+        assert int(context_lens.min()) >= 1, "a decode query attends to at least its own position"
+        max_ctx = int(context_lens.max())
+        dtype = _compute_dtype(query)
+        seq_bytes = 2 * max_ctx * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        chunk = max(1, DECODE_GATHER_BYTES // seq_bytes)
+        if chunk >= batch:
+            return _decode(query, k_cache, v_cache, block_tables, context_lens, scale, max_ctx, dtype)
+        out = torch.empty_like(query)
+        for i in range(0, batch, chunk):
+            lens = context_lens[i : i + chunk]
+            out[i : i + chunk] = _decode(
+                query[i : i + chunk],
+                k_cache,
+                v_cache,
+                block_tables[i : i + chunk],
+                lens,
+                scale,
+                int(lens.max()),
+                dtype,
+            )
+        return out
+
+    def paged_prefill_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        check_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+        num_tokens = query.shape[0]
+        num_seqs = context_lens.shape[0]
+        starts = query_start_loc.tolist()
+        ctx_lens = context_lens.tolist()
+        assert starts[0] == 0 and starts[-1] == num_tokens, (starts, num_tokens)
+        out = torch.empty_like(query)
+
+        # Single-token sequences (the decodes of a mixed batch) go through the batched decode path in one
+        # call; the loop below is per sequence and would cost one gather and SDPA call each.
+        q_lens = [starts[s + 1] - starts[s] for s in range(num_seqs)]
+        single = [s for s in range(num_seqs) if q_lens[s] == 1]
+        if single:
+            index = torch.tensor(single, device=query.device)
+            rows = torch.tensor([starts[s] for s in single], device=query.device)
+            out[rows] = self.paged_decode_attention(
+                query[rows], k_cache, v_cache, block_tables[index], context_lens[index], scale
+            )
+
+        for s in range(num_seqs):
+            if q_lens[s] > 1:
+                rows = slice(starts[s], starts[s + 1])
+                out[rows] = prefill_sequence(
+                    query[rows], k_cache, v_cache, block_tables[s], ctx_lens[s], scale
+                )
+        return out
+
+    def copy_blocks(
+        self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        check_copy_blocks(k_caches, v_caches, src, dst)
+        if src.numel() == 0:
+            return
+        src_ids, dst_ids = src.tolist(), dst.tolist()
+        independent = len(set(dst_ids)) == len(dst_ids) and not set(src_ids) & set(dst_ids)
+        for cache in (*k_caches, *v_caches):
+            if independent:  # the usual copy-on-write case: fresh blocks copied from shared ones
+                index_src = src.to(device=cache.device, dtype=torch.int64)
+                index_dst = dst.to(device=cache.device, dtype=torch.int64)
+                cache.index_copy_(0, index_dst, cache.index_select(0, index_src))
+            else:
+                for a, b in zip(src_ids, dst_ids, strict=True):
+                    if a != b:
+                        cache[b] = cache[a]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # HF's formula: torch's F.rms_norm is no faster on CPU (docs/performance.md).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    def add_rms_norm_(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return self.rms_norm(x.add_(delta), weight, eps)
+
+    def rotary_write_kv_(
+        self,
+        qk: torch.Tensor,
+        value: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        rotate_(qk, cos, sin)
+        self.write_kv(qk[:, qk.shape[1] - value.shape[1] :], value, k_cache, v_cache, slot_mapping)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        return x.argmax(dim=-1)
+
+
+def _compute_dtype(query: torch.Tensor) -> torch.dtype:
+    # bf16/fp16 are accumulated in float32: scores of a long context summed in bf16 lose digits.
+    return torch.float32 if query.dtype in _REDUCED else query.dtype
 
 
 def _decode(query, k_cache, v_cache, block_tables, context_lens, scale, max_ctx, dtype):
@@ -131,54 +220,14 @@ def _gather_blocks(
     positions of the blocks, default all N * block_size), contiguous in that order (what the attention
     matmuls want).
 
-    NOTE: whole blocks are gathered (block_size times fewer indices than gathering slot rows, and each
-    a contiguous run of block_size * num_kv_heads * head_dim elements); the head-major transpose and the
-    widening to dtype are then one copy. bf16, SmolLM2 shapes, 1 thread, against per-slot row gathers:
-    batch 1 x ctx 512 0.240 -> 0.204 ms, batch 16 x ctx 2048 12.7 -> 10.3 ms per call."""
+    Whole blocks are gathered (block_size times fewer indices than slot rows, each a contiguous run), then
+    the head-major transpose and the widening to dtype are one copy (docs/performance.md)."""
     num_seqs, n = tables.shape
     _, block_size, num_kv_heads, head_dim = cache.shape
     length = n * block_size if length is None else length
     blocks = cache.index_select(0, tables.flatten()).view(num_seqs, n * block_size, num_kv_heads, head_dim)
     out = torch.empty(num_seqs, num_kv_heads, length, head_dim, dtype=dtype, device=cache.device)
     return out.copy_(blocks[:, :length].transpose(1, 2))
-
-
-def paged_prefill_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    num_seqs = context_lens.shape[0]
-    assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
-    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    assert block_tables.shape[0] == num_seqs and query_start_loc.shape == (num_seqs + 1,)
-    starts = query_start_loc.tolist()
-    ctx_lens = context_lens.tolist()
-    assert starts[0] == 0 and starts[-1] == num_tokens, (starts, num_tokens)
-    out = torch.empty_like(query)
-
-    # NOTE: single-token sequences (the decodes of a mixed batch) go through the batched decode path in
-    # one call; the loop below is per sequence and would cost one gather + SDPA call each.
-    q_lens = [starts[s + 1] - starts[s] for s in range(num_seqs)]
-    single = [s for s in range(num_seqs) if q_lens[s] == 1]
-    if single:
-        index = torch.tensor(single, device=query.device)
-        rows = torch.tensor([starts[s] for s in single], device=query.device)
-        out[rows] = paged_decode_attention(
-            query[rows], k_cache, v_cache, block_tables[index], context_lens[index], scale
-        )
-
-    for s in range(num_seqs):
-        if q_lens[s] > 1:
-            rows = slice(starts[s], starts[s + 1])
-            out[rows] = prefill_sequence(query[rows], k_cache, v_cache, block_tables[s], ctx_lens[s], scale)
-    return out
 
 
 def prefill_sequence(
@@ -201,8 +250,8 @@ def prefill_sequence(
     v = _gather_blocks(v_cache, tables, dtype, ctx)
     q = query.to(dtype)
     if q_len == ctx:
-        # A whole prompt: plain causal attention, where SDPA skips the masked half (about 2x faster
-        # than an explicit mask at 2048 tokens on CPU).
+        # A whole prompt: plain causal attention, where SDPA skips the masked half (an explicit mask
+        # makes it compute both).
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale, enable_gqa=True
         )
@@ -222,87 +271,9 @@ def prefill_sequence(
     return o.reshape(q_len, num_heads, head_dim).to(query.dtype)
 
 
-def copy_blocks(
-    k_caches: list[torch.Tensor],
-    v_caches: list[torch.Tensor],
-    src: torch.Tensor,
-    dst: torch.Tensor,
-) -> None:
-    """Copies block src[i] to dst[i] in every layer, in order: the result is that of doing the copies one
-    after another, so a block written by copy i and read by a later copy j passes on its new content,
-    and the last of several copies into one block wins."""
-    assert len(k_caches) == len(v_caches) and src.shape == dst.shape and src.dim() == 1
-    if src.numel() == 0:
-        return
-    src_ids, dst_ids = src.tolist(), dst.tolist()
-    independent = len(set(dst_ids)) == len(dst_ids) and not set(src_ids) & set(dst_ids)
-    for cache in (*k_caches, *v_caches):
-        if independent:  # the usual copy-on-write case: fresh blocks copied from shared ones
-            index_src = src.to(device=cache.device, dtype=torch.int64)
-            index_dst = dst.to(device=cache.device, dtype=torch.int64)
-            cache.index_copy_(0, index_dst, cache.index_select(0, index_src))
-        else:
-            for a, b in zip(src_ids, dst_ids, strict=True):
-                if a != b:
-                    cache[b] = cache[a]
-
-
-# ---- the decoder's small ops, fused on CPU by kernels/cpu_ops.cpp ---------------------------------------
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension, normalised in float32 and multiplied in the model dtype, like the
-    HF implementations.
-
-    NOTE: torch's F.rms_norm is no faster on CPU (torch 2.13): ~39 us per call on a [1, 576] row against
-    ~15 us for these five small ops, so the HF formula stays."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x += delta in place (the residual stream), then rms_norm(x)."""
-    return rms_norm(x.add_(delta), weight, eps)
-
-
-def rotary_write_kv_(
-    qk: torch.Tensor,
-    value: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Neox (rotate-half) RoPE on the query and key heads of qk [T, Hq + Hkv, D] in place (see rotate_),
-    then the rotated keys (qk's last Hkv heads) and value [T, Hkv, D] written into the cache at
-    slot_mapping."""
-    rotate_(qk, cos, sin)
-    write_kv(qk[:, qk.shape[1] - value.shape[1] :], value, k_cache, v_cache, slot_mapping)
-
-
 def rotate_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Neox RoPE in place on heads [T, H, D]. cos and sin are [T, 1, D] rows of (cos, cos) and
     (-sin, sin): x * cos + (x2, x1) * sin computes (x1 cos - x2 sin, x2 cos + x1 sin) with the same
     products and sums, so bitwise like HF's form."""
     x1, x2 = qk.chunk(2, dim=-1)
     qk.copy_(torch.cat((x2, x1), dim=-1).mul_(sin).add_(qk * cos))
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of gate_up [T, 2I] (gate first) -> [T, I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
-
-
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Index of the largest value of each row of x [R, V] (the first where several are equal; a NaN
-    counts as the largest), int64 [R]: torch.argmax over the last dimension."""
-    return x.argmax(dim=-1)
-
-
-def linear_kernels(dtype: torch.dtype = torch.bfloat16) -> None:
-    """The ops' own linear layer for weights of `dtype` (see cpu_ops.linear_kernels); here none: the
-    model's linear layers are PyTorch's."""
-    return None

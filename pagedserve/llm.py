@@ -2,7 +2,8 @@
 
 It runs the same scheduler and worker code as the server, in one process and without gRPC: one
 `Scheduler` + `PlanBuilder` (scheduler_svc) and one `ModelRunner` (worker_svc) over the loaded model
-and its KV pool, driven by the loop
+and its KV pool, assembled as the worker server assembles them (worker_svc/assembly.py), driven by
+the loop
 
     schedule() -> PlanBuilder.build() -> ModelRunner.execute(plan) -> update_from_output()
 
@@ -32,7 +33,6 @@ import torch
 from pagedserve import finish_reasons
 from pagedserve.errors import InvalidRequestError
 from pagedserve.gateway.tokenization import IncrementalDetokenizer, SequenceText, StopStringMatcher, Tokenizer
-from pagedserve.model_files import load_generation_info, model_name, resolve_model
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.plan import PlanBuilder
@@ -41,10 +41,7 @@ from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.service_main import freeze_startup_objects
 from pagedserve.v1 import common_pb2
 from pagedserve.validation import check_max_tokens, check_prompt
-from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
-from pagedserve.worker_svc.loader import load_model, parse_dtype
-from pagedserve.worker_svc.runner import ModelRunner
-from pagedserve.worker_svc.sampler import Sampler
+from pagedserve.worker_svc.assembly import assemble
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams"]
 
@@ -144,35 +141,32 @@ class LLM:
     ):
         # threads: torch intra-op threads for the CPU model (None: torch's default, one per core).
         # NOTE: on a CPU shared with other busy processes, 1 can be much faster than 2: libgomp's
-        # workers spin at every barrier, so one descheduled thread stalls each op (2-core box at load
-        # ~3.5: a 27-token step 105 ms with 1 thread, ~3 s with 2).
+        # workers spin at every barrier, so one descheduled thread stalls each op (docs/performance.md).
         if threads is not None:
             torch.set_num_threads(threads)
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        device_ = torch.device(device)
-        self.model_dir = resolve_model(model)
-        self.model_name = model_name(self.model_dir)
-        self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
-        generation = load_generation_info(self.model_dir)
-        self.eos_token_ids = frozenset(generation.eos_token_ids)
-        self.dtype = parse_dtype(dtype, device_)
         torch.manual_seed(seed)
-        self.model = load_model(self.model_dir, self.dtype, device_)
-        mc = self.model.config
-        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, block_size, self.dtype)
-        num_blocks = resolve_num_blocks(spec, device_, num_blocks, kv_cache_memory)
-        # NOTE: a sequence must fit the pool alone, so a small pool shortens the context (as the
-        # server's engine does) instead of refusing every long request.
-        self.max_model_len = min(
-            max_model_len or generation.max_model_len, mc.max_position, num_blocks * block_size
-        )
-        self.kv_cache = KVCache(spec, num_blocks, device_)
-        self.runner = ModelRunner(
-            self.model, self.kv_cache, self.max_model_len, Sampler(mc.vocab_size, device_, seed=seed)
-        )
-        self.scheduler_config = SchedulerConfig(
+        worker = assemble(
+            model,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
             num_blocks=num_blocks,
+            kv_cache_memory=kv_cache_memory,
+            max_model_len=max_model_len,
+            seed=seed,
+            # A sequence must fit the pool alone, so a small pool shortens the context (as the server's
+            # engine does) instead of refusing every long request.
+            context_within_pool=True,
+        )
+        self.model_dir = worker.model_dir
+        self.model_name = worker.info.model
+        self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
+        self.eos_token_ids = frozenset(worker.generation.eos_token_ids)
+        self.model, self.kv_cache, self.runner = worker.model, worker.kv_cache, worker.runner
+        self.dtype = self.model.dtype
+        self.max_model_len = worker.info.max_model_len
+        self.scheduler_config = SchedulerConfig(
+            num_blocks=worker.info.num_blocks,
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max(

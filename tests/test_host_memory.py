@@ -84,10 +84,11 @@ def test_the_mapping_lives_as_long_as_a_view_of_the_tensor():
 
 @needs_huge_pages
 def test_the_kernels_packed_weights_lie_in_huge_pages():
-    from pagedserve.kernels import cpu_ops
+    from pagedserve.kernels import get_ops
+    from pagedserve.kernels.ops import linear_for
     from pagedserve.worker_svc.model import PackedLinear
 
-    kernels = cpu_ops.linear_kernels()
+    kernels = linear_for(get_ops(torch.device("cpu")), torch.bfloat16)
     if kernels is None:
         pytest.skip("this CPU build has no linear (it needs AVX-512 BF16 or AVX2 with FMA)")
     weight = torch.randn(1536, 1152).to(torch.bfloat16)  # 3.4 MB packed

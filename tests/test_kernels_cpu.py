@@ -32,7 +32,10 @@ from test_kernels_reference import (
 )
 from test_model import FAMILIES, VOCAB, PagedCache, _hf_logits, _save_tiny_hf_model
 
-from pagedserve.kernels import CPU_KERNELS_ENV, cpu_ops, reference
+from pagedserve.kernels import CPU_KERNELS_ENV, cpu_ops
+from pagedserve.kernels.cpu_ops import CpuOps
+from pagedserve.kernels.ops import linear_for
+from pagedserve.kernels.reference import ReferenceOps
 from pagedserve.launcher import python_command
 from pagedserve.worker_svc.loader import cpu_has_native_bf16, load_model
 
@@ -46,6 +49,14 @@ def _built() -> bool:
 
 
 pytestmark = pytest.mark.skipif(not _built(), reason="the C++ CPU kernels cannot be built here")
+
+CPU = CpuOps() if _built() else None
+REFERENCE = ReferenceOps()
+
+
+def _linear_kernels(dtype: torch.dtype = torch.bfloat16):
+    """The extension, where its build has a linear layer for weights of dtype (see CpuOps.linear); else None."""
+    return cpu_ops.load() if CPU is not None and linear_for(CPU, dtype) is not None else None
 
 
 def _cpu_flags() -> set[str]:
@@ -205,7 +216,7 @@ def test_reads_ahead_go_into_l2_but_on_a_zen_5():
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), DECODE_PARAMS)
 def test_decode_attention_matches_per_token_oracle(num_kv_heads, group, head_dim, block_size, dtype, layout):
-    check_decode_against_oracle(cpu_ops, num_kv_heads, group, head_dim, block_size, dtype, layout)
+    check_decode_against_oracle(CPU, num_kv_heads, group, head_dim, block_size, dtype, layout)
 
 
 # Which path takes a sequence of several queries: the tiled kernel (from TILE_MIN_LANES query vectors per kv
@@ -229,7 +240,7 @@ def test_mixed_prefill_batch_matches_per_token_oracle(
     # SDPA), and every row must land where it belongs.
     monkeypatch.setattr(cpu_ops, "TILE_MIN_LANES", tile_min_lanes)
     monkeypatch.setattr(cpu_ops, "SDPA_MIN_PAIRS", sdpa_min_pairs)
-    check_mixed_prefill_against_oracle(cpu_ops, num_kv_heads, group, head_dim, block_size, dtype, layout)
+    check_mixed_prefill_against_oracle(CPU, num_kv_heads, group, head_dim, block_size, dtype, layout)
 
 
 @pytest.mark.parametrize(
@@ -240,7 +251,7 @@ def test_tiled_prefill_of_any_head_size_and_dtype_matches_oracle(monkeypatch, he
     # wide on AVX2) and one value at a time where it cannot; on AVX-512 head sizes that are not a multiple
     # of 16 take the row kernel.
     monkeypatch.setattr(cpu_ops, "TILE_MIN_LANES", 1)
-    check_mixed_prefill_against_oracle(cpu_ops, 2, 3, head_dim, 16, dtype)
+    check_mixed_prefill_against_oracle(CPU, 2, 3, head_dim, 16, dtype)
 
 
 @pytest.mark.parametrize("threads", [2, 5])
@@ -254,7 +265,7 @@ def test_a_lone_decode_row_on_more_threads_than_rows_matches_oracle(ctx, threads
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        out = cpu_ops.paged_decode_attention(
+        out = CPU.paged_decode_attention(
             query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125
         )
     finally:
@@ -276,7 +287,7 @@ def test_a_chunk_after_a_long_cached_prefix_matches_oracle_on_any_thread_count(c
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        out = cpu_ops.paged_prefill_attention(
+        out = CPU.paged_prefill_attention(
             query, case.k_cache, case.v_cache, case.block_tables, start_loc, case.context_lens, 0.125
         )
     finally:
@@ -303,9 +314,9 @@ def test_amx_tiled_attention_gives_the_avx512_kernels_results(
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     args = (query, case.k_cache, case.v_cache, case.block_tables, starts, case.context_lens, 0.125)
     monkeypatch.setattr(cpu_ops, "TILE_MIN_LANES", 1)  # every sequence of several rows tiled
-    out = cpu_ops.paged_prefill_attention(*args)
+    out = CPU.paged_prefill_attention(*args)
     amx_switch(False)
-    avx512 = cpu_ops.paged_prefill_attention(*args)
+    avx512 = CPU.paged_prefill_attention(*args)
     assert_matches_oracle(out, oracle(query, case, q_lens, 0.125), torch.bfloat16)
     assert (out != avx512).float().mean() < 1e-2
     torch.testing.assert_close(out, avx512, rtol=2**-7, atol=1e-3)
@@ -323,10 +334,10 @@ def test_any_thread_count_gives_the_same_rows(threads):
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        out = cpu_ops.paged_prefill_attention(*args)
+        out = CPU.paged_prefill_attention(*args)
     finally:
         torch.set_num_threads(previous)
-    assert torch.equal(out, cpu_ops.paged_prefill_attention(*args))
+    assert torch.equal(out, CPU.paged_prefill_attention(*args))
     assert_matches_oracle(out, oracle(query, case, q_lens, 0.125), torch.bfloat16)
 
 
@@ -334,8 +345,8 @@ def test_float16_is_computed_in_float32_too():
     case = Case([40, 17], 8, 2, 64, torch.float16, seed=6)
     query = torch.randn(2, 4, 64, generator=case.gen).half()
     args = (case.block_tables, case.context_lens, 0.125)
-    out = cpu_ops.paged_decode_attention(query, case.k_cache, case.v_cache, *args)
-    out32 = cpu_ops.paged_decode_attention(query.float(), case.k_cache.float(), case.v_cache.float(), *args)
+    out = CPU.paged_decode_attention(query, case.k_cache, case.v_cache, *args)
+    out32 = CPU.paged_decode_attention(query.float(), case.k_cache.float(), case.v_cache.float(), *args)
     assert out.dtype == torch.float16 and torch.equal(out, out32.half())
 
 
@@ -345,7 +356,7 @@ def test_a_query_that_is_a_strided_view_is_read_in_place():
     qkv = torch.randn(2, (4 + 2 + 2) * 64, generator=case.gen)
     query = qkv[:, : 4 * 64].view(2, 4, 64)
     assert not query.is_contiguous()
-    out = cpu_ops.paged_decode_attention(
+    out = CPU.paged_decode_attention(
         query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125
     )
     assert_matches_oracle(out, oracle(query, case, [1, 1], 0.125), torch.float32)
@@ -359,7 +370,7 @@ def test_bf16_attention_rounds_the_weights_once_and_accumulates_in_float32(seed)
     # bf16 alone is 0.0031-0.0035. Summing in bf16 instead would be off by about 0.05 over 700 positions.
     case = Case([700, 300, 17, 1], 16, 3, 64, torch.bfloat16, seed=seed)
     query = torch.randn(4, 9, 64, generator=case.gen).bfloat16()
-    out = cpu_ops.paged_decode_attention(
+    out = CPU.paged_decode_attention(
         query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125
     )
     exact = oracle(query, case, [1, 1, 1, 1], 0.125)
@@ -373,10 +384,10 @@ def test_block_id_outside_the_cache_is_an_error_not_a_crash():
     tables[0, 2] = case.k_cache.shape[0] + 5
     query = torch.randn(2, 2, 64)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        cpu_ops.paged_decode_attention(query, case.k_cache, case.v_cache, tables, case.context_lens, 0.1)
+        CPU.paged_decode_attention(query, case.k_cache, case.v_cache, tables, case.context_lens, 0.1)
     tables[0, 2] = -1
     with pytest.raises(RuntimeError, match="outside the cache"):
-        cpu_ops.paged_decode_attention(query, case.k_cache, case.v_cache, tables, case.context_lens, 0.1)
+        CPU.paged_decode_attention(query, case.k_cache, case.v_cache, tables, case.context_lens, 0.1)
 
 
 def test_a_cache_in_any_other_layout_is_refused():
@@ -388,9 +399,9 @@ def test_a_cache_in_any_other_layout_is_refused():
     minor = torch.zeros(4, 1, 64, 8).permute(0, 3, 1, 2)  # head_dim not the innermost
     for cache in (sliced, apart, minor):
         with pytest.raises(RuntimeError, match="the KV cache must be contiguous, or a view of"):
-            cpu_ops.paged_decode_attention(query, cache, cache, tables, lens, 0.1)
+            CPU.paged_decode_attention(query, cache, cache, tables, lens, 0.1)
         with pytest.raises(RuntimeError, match="the KV cache must be contiguous, or a view of"):
-            cpu_ops.rotary_write_kv_(
+            CPU.rotary_write_kv_(
                 torch.randn(1, 3, 64),
                 torch.randn(1, 1, 64),
                 torch.randn(1, 1, 64),
@@ -406,9 +417,9 @@ def test_context_past_the_block_table_or_short_of_the_queries_is_refused():
     query = torch.randn(1, 1, 64)
     narrow = case.block_tables[:, :1]  # 8 positions, for a context of 16
     with pytest.raises(RuntimeError, match="exceeds its block table"):
-        cpu_ops.paged_decode_attention(query, case.k_cache, case.v_cache, narrow, case.context_lens, 0.1)
+        CPU.paged_decode_attention(query, case.k_cache, case.v_cache, narrow, case.context_lens, 0.1)
     with pytest.raises(RuntimeError, match="3 queries but context length 2"):
-        cpu_ops.paged_prefill_attention(
+        CPU.paged_prefill_attention(
             torch.randn(3, 1, 64),
             case.k_cache,
             case.v_cache,
@@ -437,11 +448,11 @@ def test_rms_norm_and_the_fused_residual_add_match_the_reference(dtype, size):
     delta = torch.randn(37, size, generator=gen).to(dtype)
     weight = (1 + 0.2 * torch.randn(size, generator=gen)).to(dtype)
     torch.testing.assert_close(
-        cpu_ops.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), **_close(dtype)
+        CPU.rms_norm(x, weight, 1e-5), REFERENCE.rms_norm(x, weight, 1e-5), **_close(dtype)
     )
     x_ref = x.clone()
-    expected = reference.add_rms_norm_(x_ref, delta, weight, 1e-5)
-    got = cpu_ops.add_rms_norm_(x, delta, weight, 1e-5)
+    expected = REFERENCE.add_rms_norm_(x_ref, delta, weight, 1e-5)
+    got = CPU.add_rms_norm_(x, delta, weight, 1e-5)
     assert torch.equal(x, x_ref)  # the residual stream itself is updated exactly
     torch.testing.assert_close(got, expected, **_close(dtype))
 
@@ -451,7 +462,7 @@ def test_rms_norm_and_the_fused_residual_add_match_the_reference(dtype, size):
 def test_silu_mul_matches_the_reference(dtype, shape):
     # Rows of one token and of many, leading dimensions, and sizes that are no multiple of the vector width.
     gate_up = (3 * torch.randn(shape, generator=torch.Generator().manual_seed(shape[-1]))).to(dtype)
-    got, want = cpu_ops.silu_mul(gate_up), reference.silu_mul(gate_up)
+    got, want = CPU.silu_mul(gate_up), REFERENCE.silu_mul(gate_up)
     assert got.shape == want.shape and got.dtype == dtype
     if dtype == torch.bfloat16:
         # The exp may differ from PyTorch's in a last float bit, which the rounding to bf16 absorbs.
@@ -464,7 +475,7 @@ def test_rms_norm_of_per_head_views_normalises_each_head():
     qkv = torch.randn(5, 12, 32)
     heads = qkv[:, 2:9]
     weight = torch.randn(32)
-    torch.testing.assert_close(cpu_ops.rms_norm(heads, weight, 1e-6), reference.rms_norm(heads, weight, 1e-6))
+    torch.testing.assert_close(CPU.rms_norm(heads, weight, 1e-6), REFERENCE.rms_norm(heads, weight, 1e-6))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -480,7 +491,7 @@ def test_rotary_write_kv_is_bitwise_the_reference_and_skips_padding(dtype, head_
     slots = torch.randperm(40, generator=gen)[:t]
     slots[3] = -1  # padding
     results = []
-    for ops in (cpu_ops, reference):
+    for ops in (CPU, REFERENCE):
         x = qkv.clone()
         qk = x[:, : (num_heads + num_kv_heads) * head_dim].view(t, num_heads + num_kv_heads, head_dim)
         v = x[:, (num_heads + num_kv_heads) * head_dim :].view(t, num_kv_heads, head_dim)
@@ -499,7 +510,7 @@ def test_rotary_write_kv_refuses_a_slot_outside_the_cache():
     cos, sin = torch.randn(2, 1, 8), torch.randn(2, 1, 8)
     k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
     with pytest.raises(RuntimeError, match="slot 8 is outside the cache"):
-        cpu_ops.rotary_write_kv_(qk, v, cos, sin, k_cache, v_cache, torch.tensor([0, 8]))
+        CPU.rotary_write_kv_(qk, v, cos, sin, k_cache, v_cache, torch.tensor([0, 8]))
 
 
 # ---- block copies ---------------------------------------------------------------------------------------
@@ -508,13 +519,13 @@ def test_rotary_write_kv_refuses_a_slot_outside_the_cache():
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("src", "dst"), COPY_CASES)
 def test_copy_blocks_in_order_in_every_layer(src, dst, layout):
-    check_copy_blocks_in_order(cpu_ops, src, dst, layout)
+    check_copy_blocks_in_order(CPU, src, dst, layout)
 
 
 def test_copy_blocks_refuses_a_block_outside_the_cache():
     k, v = [torch.zeros(4, 2, 1, 8)], [torch.zeros(4, 2, 1, 8)]
     with pytest.raises(RuntimeError, match="copy 1 -> 4 is outside the cache"):
-        cpu_ops.copy_blocks(k, v, torch.tensor([1]), torch.tensor([4]))
+        CPU.copy_blocks(k, v, torch.tensor([1]), torch.tensor([4]))
 
 
 # ---- the sampler's argmax ---------------------------------------------------------------------------------
@@ -535,76 +546,25 @@ def test_argmax_is_torchs_on_ties_infinities_and_nans(n, dtype):
     x[5, -1] = float("nan")
     x[6, n // 4] = x[6, -1] = float("inf")
     x[7, -1] = 100.0
-    assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(CPU.argmax(x), x.argmax(dim=-1))
     # A row view with a gap between rows, and rows of logits as the sampler sees them.
     wide = torch.randn(4, n + 7, generator=gen).to(dtype)[:, :n]
-    assert torch.equal(cpu_ops.argmax(wide), wide.argmax(dim=-1))
+    assert torch.equal(CPU.argmax(wide), wide.argmax(dim=-1))
     # bf16: ties everywhere (8 bits of mantissa), and the answer is the widened row's.
-    assert torch.equal(cpu_ops.argmax(x), cpu_ops.argmax(x.float()))
-
-
-def test_decode_inputs_gather_each_sequences_token_slot_and_table():
-    token_ids = torch.arange(40, dtype=torch.int64).view(4, 10)
-    tables = torch.tensor([[7, 3, 9], [2, 0, 0], [5, 6, 0], [1, 4, 8]], dtype=torch.int32)
-    ids, positions, slot_mapping, block_tables, query_start_loc, context_lens = cpu_ops.decode_inputs(
-        token_ids, tables, [3, 1, 2], [9, 2, 4], 4
-    )
-    assert ids.tolist() == [39, 12, 24] and positions.tolist() == [9, 2, 4]
-    assert slot_mapping.tolist() == [8 * 4 + 1, 2 * 4 + 2, 6 * 4 + 0]
-    assert block_tables.tolist() == [[1, 4, 8], [2, 0, 0], [5, 6, 0]]  # the longest sequence's 3 blocks
-    assert query_start_loc.tolist() == [0, 1, 2, 3] and context_lens.tolist() == [10, 3, 5]
-    longs, ints = (ids, positions, slot_mapping), (block_tables, query_start_loc, context_lens)
-    assert all(t.dtype == torch.int64 for t in longs) and all(t.dtype == torch.int32 for t in ints)
-
-
-def test_decode_inputs_refuse_a_slot_or_position_outside_the_arrays():
-    token_ids, tables = torch.zeros(4, 8, dtype=torch.int64), torch.zeros(4, 2, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="slot 4 is outside the arrays"):
-        cpu_ops.decode_inputs(token_ids, tables, [4], [0], 4)
-    with pytest.raises(RuntimeError, match="position 8 of slot 1 is outside the arrays"):
-        cpu_ops.decode_inputs(token_ids, tables, [1], [8], 4)
-    with pytest.raises(RuntimeError, match="position 7 of slot 1 is outside the arrays"):  # past its table
-        cpu_ops.decode_inputs(token_ids, tables, [1], [7], 2)
-    with pytest.raises(RuntimeError, match="slots and start differ in length"):
-        cpu_ops.decode_inputs(token_ids, tables, [1, 2], [0], 2)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_argmax_append_writes_each_rows_argmax_at_its_slots_position(dtype):
-    gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(3, 1000, generator=gen).to(dtype)
-    token_ids = torch.full((5, 6), -1, dtype=torch.int64)
-    tokens = cpu_ops.argmax_append_(logits, token_ids, [4, 0, 2], [5, 0, 3])
-    want = logits.float().argmax(dim=-1).tolist()
-    assert tokens == want
-    expected = torch.full((5, 6), -1, dtype=torch.int64)
-    expected[4, 5], expected[0, 0], expected[2, 3] = want
-    assert torch.equal(token_ids, expected)
-
-
-def test_argmax_append_refuses_a_place_outside_the_token_ids_and_writes_nothing():
-    logits, token_ids = torch.randn(2, 10), torch.zeros(3, 4, dtype=torch.int64)
-    for slots, positions, message in [
-        ([0, 3], [1, 1], "position 1 of slot 3 is outside the token ids"),
-        ([0, 1], [1, 4], "position 4 of slot 1 is outside the token ids"),
-        ([0], [1], "logits must have a row per slot"),
-    ]:
-        with pytest.raises(RuntimeError, match=message):
-            cpu_ops.argmax_append_(logits, token_ids, slots, positions)
-    assert not token_ids.any()
+    assert torch.equal(CPU.argmax(x), CPU.argmax(x.float()))
 
 
 def test_argmax_of_anything_else_is_torchs():
     x = torch.randn(6, 40).half()
-    assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(CPU.argmax(x), x.argmax(dim=-1))
     t = torch.randn(40, 6).T
-    assert torch.equal(cpu_ops.argmax(t), t.argmax(dim=-1))
+    assert torch.equal(CPU.argmax(t), t.argmax(dim=-1))
 
 
 # ---- the linear layer of few rows ----------------------------------------------------------------------
 
 needs_linear = pytest.mark.skipif(
-    cpu_ops.linear_kernels() is None,
+    _linear_kernels() is None,
     reason="no linear in this build (it needs AVX-512 BF16 or AVX2 with FMA)",
 )
 
@@ -670,7 +630,7 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     x = torch.randn(rows, k, generator=gen).bfloat16()
-    kernels = cpu_ops.linear_kernels()
+    kernels = _linear_kernels()
     out = kernels.linear(x, kernels.pack_linear_weight(weight), n, b)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
     _assert_rounds_the_exact_product_once(out, x, weight, b)
@@ -699,7 +659,7 @@ def test_avx2_linear_gives_a_row_the_same_bits_in_any_pass_from_3_rows(rows, n, 
     x = torch.randn(rows, k, generator=gen).bfloat16()
     weight[:, 2 * k // 3] = weight[:, k // 3]
     x[:, k // 3], x[:, 2 * k // 3] = 2.0**40, -(2.0**40)
-    kernels = cpu_ops.linear_kernels()
+    kernels = _linear_kernels()
     packed = kernels.pack_linear_weight(weight)
     whole = kernels.linear(x, packed, n, b)
     for start, size in [(0, 3), (3, 4), (7, 4), (1, 6), (5, 10), (13, 24), (4, 32), (rows - 3, 3)]:
@@ -708,7 +668,7 @@ def test_avx2_linear_gives_a_row_the_same_bits_in_any_pass_from_3_rows(rows, n, 
 
 
 needs_linear_f32 = pytest.mark.skipif(
-    cpu_ops.linear_kernels(torch.float32) is None,
+    _linear_kernels(torch.float32) is None,
     reason="no float32 linear in this build (it needs AVX2 with FMA)",
 )
 
@@ -744,7 +704,7 @@ def test_float32_linear_is_within_float32_summation_of_the_exact_product(rows, n
     weight = torch.randn(n, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
     x = torch.randn(rows, k, generator=gen)
-    kernels = cpu_ops.linear_kernels(torch.float32)
+    kernels = _linear_kernels(torch.float32)
     out = kernels.linear(x, kernels.pack_linear_weight(weight), n, b)
     assert out.shape == (rows, n) and out.dtype == torch.float32
     exact = _exact_linear(x, weight, b)
@@ -767,7 +727,7 @@ def test_float32_linear_gives_a_row_the_same_bits_in_any_pass(n, k):
     x = torch.randn(rows, k, generator=gen)
     weight[:, 2 * k // 3] = weight[:, k // 3]
     x[:, k // 3], x[:, 2 * k // 3] = 2.0**40, -(2.0**40)
-    kernels = cpu_ops.linear_kernels(torch.float32)
+    kernels = _linear_kernels(torch.float32)
     packed = kernels.pack_linear_weight(weight)
     whole = kernels.linear(x, packed, n, b)
     # Where 2^40 w is large enough to absorb every term (|w| > 0.01: a float32 step of 2^10 or more).
@@ -782,7 +742,7 @@ def test_float32_linear_gives_a_row_the_same_bits_in_any_pass(n, k):
 @needs_linear_f32
 def test_float32_linear_reads_strided_and_batched_inputs():
     weight = torch.randn(48, 64)
-    kernels = cpu_ops.linear_kernels(torch.float32)
+    kernels = _linear_kernels(torch.float32)
     packed = kernels.pack_linear_weight(weight)
     assert packed.shape == (3, 64, 16) and packed.dtype == torch.float32
     wide = torch.randn(2, 3, 100)
@@ -796,7 +756,7 @@ def test_float32_linear_reads_strided_and_batched_inputs():
 
 @needs_linear_f32
 def test_float32_linear_refuses_what_it_cannot_read():
-    kernels = cpu_ops.linear_kernels(torch.float32)
+    kernels = _linear_kernels(torch.float32)
     packed = kernels.pack_linear_weight(torch.randn(40, 64))
     with pytest.raises(RuntimeError, match="x must be float32"):
         kernels.linear(torch.randn(2, 64).bfloat16(), packed, 40, None)
@@ -818,7 +778,7 @@ _FEWER_THREADS_SCRIPT = """
 import torch
 from pagedserve.kernels import cpu_ops
 torch.set_num_threads(2)
-kernels = cpu_ops.linear_kernels()
+kernels = cpu_ops.load()
 gen = torch.Generator().manual_seed(0)
 for rows, n, k in [(1, 960, 576), (2, 200, 96), (3, 576, 64), (8, 17, 63), (24, 100, 96), (100, 48, 96)]:
     weight = torch.randn(n, k, generator=gen).bfloat16()
@@ -826,7 +786,6 @@ for rows, n, k in [(1, 960, 576), (2, 200, 96), (3, 576, 64), (8, 17, 63), (24, 
     out = kernels.linear(x, kernels.pack_linear_weight(weight), n, None)
     exact = x.double() @ weight.double().T
     torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-4)
-kernels = cpu_ops.linear_kernels(torch.float32)
 for rows, n, k in [(1, 960, 576), (2, 200, 96), (7, 17, 63)]:
     weight, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
     out = kernels.linear(x, kernels.pack_linear_weight(weight), n, None)
@@ -853,7 +812,7 @@ def test_linear_computes_every_block_when_openmp_starts_fewer_threads_than_asked
 def test_linear_reads_strided_and_batched_inputs():
     # The model hands it views (a slice of a fused projection) and any leading dimensions.
     weight = torch.randn(48, 64).bfloat16()
-    kernels = cpu_ops.linear_kernels()
+    kernels = _linear_kernels()
     packed = kernels.pack_linear_weight(weight)
     wide = torch.randn(2, 3, 100).bfloat16()
     x = wide[..., 10:74]
@@ -879,7 +838,7 @@ def test_linear_silu_is_linear_then_silu_mul(rows, size, k, bias):
     weight = torch.randn(2 * size, k, generator=gen).bfloat16()
     b = torch.randn(2 * size, generator=gen).bfloat16() if bias else None
     x = torch.randn(rows, k + 5, generator=gen).bfloat16()[:, 2 : 2 + k]
-    kernels = cpu_ops.linear_kernels()
+    kernels = _linear_kernels()
     packed = kernels.pack_linear_weight(weight)
     expected = kernels.silu_mul(kernels.linear(x, packed, 2 * size, b))
     assert torch.equal(kernels.linear_silu(x, packed, size, b), expected)
@@ -917,7 +876,7 @@ def test_a_cpu_with_amx_gets_the_amx_kernels(amx_switch):
         return (
             kernels.linear(x, packed, 3072, None),
             kernels.linear_silu(x, packed, 1536, None),
-            cpu_ops.paged_prefill_attention(*args),
+            CPU.paged_prefill_attention(*args),
         )
 
     with_tiles = outputs()
@@ -956,7 +915,7 @@ def test_amx_linear_rounds_the_exact_product_once_as_avx512_does(amx_switch, row
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     x = torch.randn(rows, k, generator=gen).bfloat16()
-    kernels = cpu_ops.linear_kernels()
+    kernels = _linear_kernels()
     packed = kernels.pack_linear_weight(weight)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -978,7 +937,7 @@ def test_amx_linear_rounds_the_exact_product_once_as_avx512_does(amx_switch, row
 
 @needs_linear
 def test_linear_refuses_mismatched_shapes():
-    kernels = cpu_ops.linear_kernels()
+    kernels = _linear_kernels()
     packed = kernels.pack_linear_weight(torch.randn(40, 64).bfloat16())
     with pytest.raises(RuntimeError, match="x has K = 32"):
         kernels.linear(torch.randn(2, 32).bfloat16(), packed, 40, None)
@@ -1004,7 +963,7 @@ def test_bf16_model_through_the_kernels_is_as_accurate_as_through_the_reference(
     for kernels in ("on", "off"):
         monkeypatch.setenv(CPU_KERNELS_ENV, kernels)
         model = load_model(tmp_path, torch.bfloat16, "cpu")
-        assert (model.layers[0].self_attn.ops is cpu_ops) == (kernels == "on")
+        assert (model.layers[0].self_attn.ops.name == "cpu") == (kernels == "on")
         cache = PagedCache(model, 2, block_size=8)
         # A whole prompt (SDPA), a short one (the paged kernel), then one decode step for each.
         logits = cache.run(model, tokens, [(0, 0, 69), (1, 0, 8)])

@@ -13,13 +13,17 @@ import math
 import pytest
 import torch
 
-from pagedserve.kernels import cuda_ops, reference
+from pagedserve.kernels import cuda_ops
+from pagedserve.kernels.cuda_ops import CudaOps
+from pagedserve.kernels.reference import ReferenceOps
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not cuda_ops.is_available(), reason="needs a CUDA device and a matching CuPy"),
 ]
 
+CUDA = CudaOps(torch.device("cuda")) if cuda_ops.is_available() else None
+REFERENCE = ReferenceOps()
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GROUPS = (1, 2, 4, 7, 8)
 TOL = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (3e-3, 3e-3), torch.float32: (2e-5, 2e-5)}
@@ -77,7 +81,7 @@ class Paged:
         for s, n in enumerate(lens):
             pos_ids = torch.arange(n, device="cuda")
             slots = self.tables[s, pos_ids // block_size].long() * block_size + pos_ids % block_size
-            reference.write_kv(self.rand(n, num_kv_heads), self.rand(n, num_kv_heads), self.k, self.v, slots)
+            REFERENCE.write_kv(self.rand(n, num_kv_heads), self.rand(n, num_kv_heads), self.k, self.v, slots)
 
     def rand(self, *lead: int) -> torch.Tensor:
         return torch.randn(*lead, self.d, device="cuda", generator=self.gen).to(self.dtype)
@@ -109,8 +113,8 @@ def test_write_kv_matches_reference_and_skips_padding(shape) -> None:
     slots = torch.randperm(num_blocks * bs, device="cuda", generator=gen)[:tokens]
     slots[::4] = -1  # padding
     k1, v1, k2, v2 = k0.clone(), v0.clone(), k0.clone(), v0.clone()
-    cuda_ops.write_kv(key, value, k1, v1, slots)
-    reference.write_kv(key, value, k2, v2, slots)
+    CUDA.write_kv(key, value, k1, v1, slots)
+    REFERENCE.write_kv(key, value, k2, v2, slots)
     torch.cuda.synchronize()
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
@@ -124,8 +128,8 @@ def test_copy_blocks_matches_reference_in_order(dtype) -> None:
     # Independent copies, then a chain (3 -> 4 -> 5) and a repeated destination (last wins).
     src = torch.tensor([0, 1, 3, 4, 7, 8], device="cuda")
     dst = torch.tensor([10, 11, 4, 5, 9, 9], device="cuda")
-    cuda_ops.copy_blocks(k1, v1, src, dst)
-    reference.copy_blocks(k2, v2, src, dst)
+    CUDA.copy_blocks(k1, v1, src, dst)
+    REFERENCE.copy_blocks(k2, v2, src, dst)
     torch.cuda.synchronize()
     for a, b in zip([*k1, *v1], [*k2, *v2], strict=True):
         assert torch.equal(a, b)
@@ -140,7 +144,7 @@ def _check_decode(shape, lens, *, splits=(None, 1, 3), share_prefix=0, seed=0) -
     cache = Paged(lens, bs, hkv, head, dtype, share_prefix=share_prefix, seed=seed)
     query = cache.rand(len(lens), hkv * group)
     scale = head**-0.5
-    expected = reference.paged_decode_attention(query, cache.k, cache.v, cache.tables, cache.lens, scale)
+    expected = REFERENCE.paged_decode_attention(query, cache.k, cache.v, cache.tables, cache.lens, scale)
     for num_splits in splits:
         out = cuda_ops.paged_decode_attention_splits(
             query, cache.k, cache.v, cache.tables, cache.lens, scale, num_splits
@@ -170,8 +174,8 @@ def test_decode_public_signature_matches_reference() -> None:
     shape = (torch.bfloat16, 128, 16, 4)
     cache = Paged([5, 700], 16, 2, 128, torch.bfloat16)
     query = cache.rand(2, 8)
-    out = cuda_ops.paged_decode_attention(query, cache.k, cache.v, cache.tables, cache.lens, 0.1)
-    expected = reference.paged_decode_attention(query, cache.k, cache.v, cache.tables, cache.lens, 0.1)
+    out = CUDA.paged_decode_attention(query, cache.k, cache.v, cache.tables, cache.lens, 0.1)
+    expected = REFERENCE.paged_decode_attention(query, cache.k, cache.v, cache.tables, cache.lens, 0.1)
     _close(out, expected, shape[0])
 
 
@@ -188,7 +192,7 @@ def _check_prefill(shape, q_ctx, *, share_prefix=0, seed=0) -> None:
     query = cache.rand(sum(q_lens), hkv * group)
     scale = head**-0.5
     args = (query, cache.k, cache.v, cache.tables, starts, cache.lens, scale)
-    _close(cuda_ops.paged_prefill_attention(*args), reference.paged_prefill_attention(*args), dtype)
+    _close(CUDA.paged_prefill_attention(*args), REFERENCE.paged_prefill_attention(*args), dtype)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)

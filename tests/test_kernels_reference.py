@@ -15,6 +15,9 @@ import torch
 
 import pagedserve.kernels
 from pagedserve.kernels import CPU_KERNELS_ENV, _load_cpu_ops, _load_cuda_ops, get_ops, reference
+from pagedserve.kernels.reference import ReferenceOps
+
+REFERENCE = ReferenceOps()
 
 GARBAGE_BLOCK = 1_000_000  # pads block tables: far out of range, so reading it would raise or return junk
 
@@ -150,7 +153,7 @@ def check_decode_against_oracle(
 
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), DECODE_PARAMS)
 def test_decode_attention_matches_per_token_oracle(num_kv_heads, group, head_dim, block_size, dtype):
-    check_decode_against_oracle(reference, num_kv_heads, group, head_dim, block_size, dtype)
+    check_decode_against_oracle(REFERENCE, num_kv_heads, group, head_dim, block_size, dtype)
 
 
 @pytest.mark.parametrize("gather_bytes", [1, 40_000])
@@ -159,7 +162,7 @@ def test_decode_attention_in_batch_chunks_matches_oracle(monkeypatch, gather_byt
     monkeypatch.setattr(reference, "DECODE_GATHER_BYTES", gather_bytes)
     case = Case([100, 17, 1, 16, 15, 64, 33], 16, 2, 64, torch.float32, seed=4, shared_prefix_blocks=1)
     query = torch.randn(7, 6, 64, generator=case.gen)
-    out = reference.paged_decode_attention(
+    out = REFERENCE.paged_decode_attention(
         query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125
     )
     assert_matches_oracle(out, oracle(query, case, [1] * 7, 0.125), torch.float32)
@@ -170,7 +173,7 @@ def test_decode_attention_reads_shared_prefix_blocks_for_both_sequences(dtype):
     case = Case([40, 37, 9], 8, 2, 64, dtype, seed=3, shared_prefix_blocks=4)
     assert case.tables[0][:4] == case.tables[1][:4]
     query = torch.randn(3, 4, 64, generator=case.gen).to(dtype)
-    out = reference.paged_decode_attention(
+    out = REFERENCE.paged_decode_attention(
         query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125
     )
     assert_matches_oracle(out, oracle(query, case, [1, 1, 1], 0.125), dtype)
@@ -182,16 +185,16 @@ def test_bf16_attention_accumulates_in_float32():
     case = Case([700, 300], 16, 1, 64, torch.bfloat16, seed=2)
     query = torch.randn(2 + 5, 4, 64, generator=case.gen).bfloat16()
     k32, v32 = case.k_cache.float(), case.v_cache.float()
-    decode = reference.paged_decode_attention(
+    decode = REFERENCE.paged_decode_attention(
         query[:2], case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125
     )
-    decode32 = reference.paged_decode_attention(
+    decode32 = REFERENCE.paged_decode_attention(
         query[:2].float(), k32, v32, case.block_tables, case.context_lens, 0.125
     )
     assert torch.equal(decode, decode32.bfloat16())
     prefill_args = (case.block_tables, torch.tensor([0, 1, 5], dtype=torch.int32), case.context_lens, 0.125)
-    prefill = reference.paged_prefill_attention(query[2:], case.k_cache, case.v_cache, *prefill_args)
-    prefill32 = reference.paged_prefill_attention(query[2:].float(), k32, v32, *prefill_args)
+    prefill = REFERENCE.paged_prefill_attention(query[2:], case.k_cache, case.v_cache, *prefill_args)
+    prefill32 = REFERENCE.paged_prefill_attention(query[2:].float(), k32, v32, *prefill_args)
     assert torch.equal(prefill, prefill32.bfloat16())
 
 
@@ -227,23 +230,23 @@ def check_mixed_prefill_against_oracle(
 
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size", "dtype"), PREFILL_PARAMS)
 def test_mixed_prefill_batch_matches_per_token_oracle(num_kv_heads, group, head_dim, block_size, dtype):
-    check_mixed_prefill_against_oracle(reference, num_kv_heads, group, head_dim, block_size, dtype)
+    check_mixed_prefill_against_oracle(REFERENCE, num_kv_heads, group, head_dim, block_size, dtype)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_reference_reads_either_cache_layout(layout):
-    check_decode_against_oracle(reference, 2, 4, 64, 16, torch.bfloat16, layout)
-    check_mixed_prefill_against_oracle(reference, 2, 4, 64, 16, torch.float32, layout)
+    check_decode_against_oracle(REFERENCE, 2, 4, 64, 16, torch.bfloat16, layout)
+    check_mixed_prefill_against_oracle(REFERENCE, 2, 4, 64, 16, torch.float32, layout)
 
 
 def test_prefill_of_single_tokens_equals_decode():
     case = Case([1, 15, 16, 17, 100], 16, 2, 64, torch.float32, seed=11)
     query = torch.randn(5, 6, 64, generator=case.gen)
     start_loc = torch.arange(6, dtype=torch.int32)
-    decode = reference.paged_decode_attention(
+    decode = REFERENCE.paged_decode_attention(
         query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125
     )
-    prefill = reference.paged_prefill_attention(
+    prefill = REFERENCE.paged_prefill_attention(
         query, case.k_cache, case.v_cache, case.block_tables, start_loc, case.context_lens, 0.125
     )
     torch.testing.assert_close(prefill, decode, rtol=0, atol=0)
@@ -254,11 +257,11 @@ def test_prefill_of_a_whole_prompt_is_causal():
     case = Case([20], 8, 1, 64, torch.float32, seed=5)
     query = torch.randn(20, 2, 64, generator=case.gen)
     args = (case.block_tables, torch.tensor([0, 20], dtype=torch.int32), case.context_lens, 0.125)
-    before = reference.paged_prefill_attention(query, case.k_cache, case.v_cache, *args)
+    before = REFERENCE.paged_prefill_attention(query, case.k_cache, case.v_cache, *args)
     table = case.tables[0]
     case.k_cache[table[1:]] = torch.randn_like(case.k_cache[table[1:]])  # positions 8.. change
     case.v_cache[table[1:]] = torch.randn_like(case.v_cache[table[1:]])
-    after = reference.paged_prefill_attention(query, case.k_cache, case.v_cache, *args)
+    after = REFERENCE.paged_prefill_attention(query, case.k_cache, case.v_cache, *args)
     torch.testing.assert_close(after[:8], before[:8], rtol=0, atol=0)
     assert not torch.allclose(after[8:], before[8:])
 
@@ -274,7 +277,7 @@ def test_write_kv_writes_each_token_to_its_slot_and_skips_padding(dtype, layout)
     slots[[0, 5, 19]] = -1  # padding tokens
     key = torch.randn(20, hkv, d, generator=gen).to(dtype)
     value = torch.randn(20, hkv, d, generator=gen).to(dtype)
-    reference.write_kv(key, value, k_cache, v_cache, slots)
+    REFERENCE.write_kv(key, value, k_cache, v_cache, slots)
     written = torch.zeros(num_blocks * bs, dtype=torch.bool)
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
@@ -289,8 +292,8 @@ def test_write_kv_writes_each_token_to_its_slot_and_skips_padding(dtype, layout)
 def test_write_kv_of_only_padding_changes_nothing():
     k_cache = torch.full((2, 4, 1, 8), float("nan"))
     v_cache = torch.full_like(k_cache, float("nan"))
-    reference.write_kv(torch.ones(3, 1, 8), torch.ones(3, 1, 8), k_cache, v_cache, torch.full((3,), -1))
-    reference.write_kv(torch.ones(0, 1, 8), torch.ones(0, 1, 8), k_cache, v_cache, torch.zeros(0).long())
+    REFERENCE.write_kv(torch.ones(3, 1, 8), torch.ones(3, 1, 8), k_cache, v_cache, torch.full((3,), -1))
+    REFERENCE.write_kv(torch.ones(0, 1, 8), torch.ones(0, 1, 8), k_cache, v_cache, torch.zeros(0).long())
     assert k_cache.isnan().all() and v_cache.isnan().all()
 
 
@@ -336,13 +339,13 @@ def check_copy_blocks_in_order(ops, src: list[int], dst: list[int], layout: str 
 
 @pytest.mark.parametrize(("src", "dst"), COPY_CASES)
 def test_copy_blocks_in_order_in_every_layer(src, dst):
-    check_copy_blocks_in_order(reference, src, dst)
+    check_copy_blocks_in_order(REFERENCE, src, dst)
 
 
 def test_copy_blocks_chain_passes_on_the_new_content():
     k, v = random_caches(1, 4, seed=1)
     block0 = k[0][0].clone()
-    reference.copy_blocks(k, v, torch.tensor([0, 1, 2]), torch.tensor([1, 2, 3]))
+    REFERENCE.copy_blocks(k, v, torch.tensor([0, 1, 2]), torch.tensor([1, 2, 3]))
     for b in range(4):
         assert torch.equal(k[0][b], block0)
 
@@ -354,13 +357,9 @@ def test_copy_blocks_random_overlapping_sequences(seed):
     dst = torch.randint(0, 6, (5,), generator=gen)
     k, v = random_caches(2, 6, seed)
     expected = copy_in_order(k + v, src.tolist(), dst.tolist())
-    reference.copy_blocks(k, v, src, dst)
+    REFERENCE.copy_blocks(k, v, src, dst)
     for got, want in zip(k + v, expected, strict=True):
         assert torch.equal(got, want)
-
-
-OPS = ("write_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "rms_norm")
-OPS += ("add_rms_norm_", "rotary_write_kv_", "silu_mul", "linear_kernels", "argmax")
 
 
 @pytest.fixture
@@ -371,16 +370,13 @@ def fresh_cpu_ops():
 
 
 def test_get_ops_on_cpu_is_the_built_kernels_unless_switched_off(monkeypatch, fresh_cpu_ops):
-    from pagedserve.kernels import cpu_ops
+    from pagedserve.kernels.cpu_ops import CpuOps
 
-    assert get_ops(torch.device("cpu")) is cpu_ops
+    assert type(get_ops(torch.device("cpu"))) is CpuOps
+    assert get_ops(torch.device("cpu")) is get_ops(torch.device("cpu"))
     monkeypatch.setenv(CPU_KERNELS_ENV, "off")
-    assert get_ops(torch.device("cpu")) is reference
-    from pagedserve.kernels import cuda_ops  # imports without CuPy or a GPU
-
-    for ops in (cpu_ops, cuda_ops, reference):
-        for name in OPS:
-            assert callable(getattr(ops, name)), (ops, name)
+    assert type(get_ops(torch.device("cpu"))) is ReferenceOps
+    # Every backend implements the whole contract: tests/test_kernels_contract.py.
 
 
 def test_get_ops_on_cpu_falls_back_to_the_reference_when_the_build_fails(monkeypatch, fresh_cpu_ops):
@@ -390,12 +386,13 @@ def test_get_ops_on_cpu_falls_back_to_the_reference_when_the_build_fails(monkeyp
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(cpu_ops, "load", load)
-    assert get_ops(torch.device("cpu")) is reference
+    assert type(get_ops(torch.device("cpu"))) is ReferenceOps
 
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """A CUDA device as torch would report it, and a stand-in cuda_ops module."""
+    """A CUDA device as torch would report it, and a stand-in cuda_ops module whose CudaOps is set by the
+    test."""
     module = types.ModuleType("pagedserve.kernels.cuda_ops")
     monkeypatch.setitem(sys.modules, "pagedserve.kernels.cuda_ops", module)
     # `from pagedserve.kernels import cuda_ops` takes the package attribute once the real module
@@ -407,25 +404,31 @@ def fake_cuda(monkeypatch):
     _load_cuda_ops.cache_clear()
 
 
-def test_get_ops_on_cuda_uses_the_cuda_module_when_it_initialises(fake_cuda):
+def test_get_ops_on_cuda_uses_the_cuda_ops_when_they_initialise(fake_cuda):
     seen = []
-    fake_cuda.init = seen.append
-    assert get_ops(torch.device("cuda", 0)) is fake_cuda
+
+    class FakeCudaOps:
+        def __init__(self, device):
+            seen.append(device)
+
+    fake_cuda.CudaOps = FakeCudaOps
+    assert type(get_ops(torch.device("cuda", 0))) is FakeCudaOps
     assert seen == [torch.device("cuda", 0)]
 
 
 def test_get_ops_on_cuda_falls_back_to_the_reference_when_init_fails(fake_cuda):
-    def init(device):
-        raise ImportError("No module named 'cupy'")
+    class FakeCudaOps:
+        def __init__(self, device):
+            raise ImportError("No module named 'cupy'")
 
-    fake_cuda.init = init
-    assert get_ops(torch.device("cuda")) is reference
+    fake_cuda.CudaOps = FakeCudaOps
+    assert type(get_ops(torch.device("cuda"))) is ReferenceOps
 
 
 def test_get_ops_on_cuda_without_a_device_is_the_reference(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     _load_cuda_ops.cache_clear()
     try:
-        assert get_ops(torch.device("cuda")) is reference
+        assert type(get_ops(torch.device("cuda"))) is ReferenceOps
     finally:
         _load_cuda_ops.cache_clear()

@@ -15,6 +15,8 @@ from transformers import (
     Qwen3Config,
 )
 
+from pagedserve.kernels import get_ops
+from pagedserve.kernels.ops import linear_for
 from pagedserve.model_files import load_generation_info, load_tokenizer
 from pagedserve.worker_svc import loader
 from pagedserve.worker_svc.loader import load_model, parse_dtype
@@ -274,11 +276,9 @@ def test_float32_loader_packs_linears_and_keeps_the_logits(tmp_path, monkeypatch
     # The kernels' float32 linear where the build has it (AVX2 with FMA), else oneDNN: either sums in
     # another order than MKL's sgemm, so the same logits to float32 rounding, not the same bits. With the
     # kernels' linear the layers run in a float32 DecoderStack.
-    from pagedserve.kernels import cpu_ops
-
     packed, plain = _packed_and_plain_logits(tmp_path, monkeypatch, family, torch.float32)
     torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
-    if cpu_ops.linear_kernels(torch.float32) is not None:
+    if linear_for(get_ops(torch.device("cpu")), torch.float32) is not None:
         monkeypatch.undo()
         model = load_model(tmp_path, torch.float32, "cpu")
         linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
@@ -295,9 +295,7 @@ def test_decoder_stack_computes_the_python_loops_bits(tmp_path, family, dtype):
     _save_tiny_hf_model(FAMILIES[family](), tmp_path)
     model = load_model(tmp_path, dtype, "cpu")
     if model.stack is None:
-        pytest.skip(
-            "this CPU build has no linear for the dtype (see cpu_ops.linear_kernels), so no DecoderStack"
-        )
+        pytest.skip("this CPU build has no linear for the dtype (see CpuOps.linear), so no DecoderStack")
     stack = model.stack
     gen = torch.Generator().manual_seed(5)
     tokens = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (40, 30)]
@@ -350,9 +348,8 @@ def test_decoder_stack_refuses_token_ids_and_positions_outside_its_tables(tmp_pa
 def test_decoder_stack_refuses_weights_it_cannot_read():
     # The stack's layers read their weights, biases and norms through raw pointers: add_layer checks each
     # one's shape, dtype and layout once, and a layer that fails is not added.
-    from pagedserve.kernels import cpu_ops
-
-    kernels = cpu_ops.linear_kernels()
+    ops = get_ops(torch.device("cpu"))
+    kernels = linear_for(ops, torch.bfloat16)
     if kernels is None:
         pytest.skip("this CPU build has no linear (AVX-512 BF16 or AVX2 with FMA), so no DecoderStack")
     hidden, intermediate, heads, kv_heads, head_dim = 32, 64, 4, 2, 8
@@ -386,7 +383,7 @@ def test_decoder_stack_refuses_weights_it_cannot_read():
         q_norm=None,
         k_norm=None,
     )
-    stack = cpu_ops.decoder_stack(**shape, final_norm=norm)
+    stack = ops.decoder_stack(**shape, final_norm=norm)
     for change, message in (
         ({"qkv_bias": torch.zeros(q + 2 * kv - 1, dtype=bf16)}, "qkv: the bias must be"),
         ({"o_bias": torch.zeros(hidden)}, "o: the bias must be"),  # float32
@@ -402,12 +399,12 @@ def test_decoder_stack_refuses_weights_it_cannot_read():
     assert stack.num_layers == 1
     # Its linears read the rows in whole pairs: odd sizes are refused when the stack is made.
     with pytest.raises(RuntimeError, match="even hidden, intermediate and head sizes"):
-        cpu_ops.decoder_stack(**{**shape, "intermediate": 63}, final_norm=norm)
+        ops.decoder_stack(**{**shape, "intermediate": 63}, final_norm=norm)
     # The final norm's dtype is the stack's: a float32 stack takes float32 weights alone.
     with pytest.raises(RuntimeError, match="runs bf16 or float32 models, not Half"):
-        cpu_ops.decoder_stack(**shape, final_norm=norm.half())
-    if cpu_ops.linear_kernels(torch.float32) is not None:
-        stack32 = cpu_ops.decoder_stack(**shape, final_norm=norm.float())
+        ops.decoder_stack(**shape, final_norm=norm.half())
+    if linear_for(ops, torch.float32) is not None:
+        stack32 = ops.decoder_stack(**shape, final_norm=norm.float())
         with pytest.raises(RuntimeError, match="qkv: expected a float32 weight"):
             stack32.add_layer(**layer)
         with pytest.raises(RuntimeError, match="input_norm must be contiguous float32"):
@@ -500,7 +497,10 @@ def test_auto_dtype_on_cpu_takes_bf16_where_it_is_faster(monkeypatch):
 
 
 def test_cpu_prefers_bf16_with_native_bf16_or_the_kernels_linear(monkeypatch):
-    from pagedserve.kernels import cpu_ops, reference
+    from pagedserve.kernels import _load_cpu_ops
+    from pagedserve.kernels.reference import ReferenceOps
+
+    reference, cpu_ops = ReferenceOps(), _load_cpu_ops()
 
     def prefers(native: bool, ops) -> bool:
         monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native)
@@ -511,7 +511,7 @@ def test_cpu_prefers_bf16_with_native_bf16_or_the_kernels_linear(monkeypatch):
     try:
         assert prefers(True, reference)
         assert not prefers(False, reference)  # PyTorch's emulated bf16 matmuls: float32 is faster
-        if cpu_ops.linear_kernels() is not None:
+        if cpu_ops is not None and linear_for(cpu_ops, torch.bfloat16) is not None:
             assert prefers(False, cpu_ops)
     finally:
         loader.cpu_prefers_bf16.cache_clear()

@@ -96,6 +96,8 @@ def test_pip_install_ships_pagedserve_v1_with_its_proto_files(tmp_path: Path):
         "--target", str(target), str(source),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    # The worker builds its C++ step inputs from their source where it runs.
+    assert (target / "pagedserve" / "worker_svc" / "csrc" / "step_inputs.cpp").is_file()
     installed = target / "pagedserve" / "v1"
     for name in ("common", "engine", "text_generation", "worker"):
         for suffix in (".proto", "_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):

@@ -24,7 +24,8 @@ from worker_testing import (
 
 from pagedserve.v1 import worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec
-from pagedserve.worker_svc.runner import ModelRunner, PlanError, _Batch
+from pagedserve.worker_svc.runner import PlanError
+from pagedserve.worker_svc.step_inputs import SlotArrays
 
 NUM_BLOCKS = 32
 BLOCK_SIZE = 4
@@ -250,25 +251,26 @@ def test_the_gap_is_the_end_of_the_previous_step_to_the_start_of_this_one(runner
     assert early.idle_seconds == 0.0 and 0.03 <= early.gap_seconds <= done - started - steps + 1e-6
 
 
-def test_a_decode_steps_inputs_from_the_cpu_kernels_are_the_general_paths(model_dir):
+def test_a_steps_inputs_from_the_cpp_are_numpys(model_dir):
     runner = make_runner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
-    if runner._decode_inputs is None:
-        pytest.skip("the C++ CPU kernels are not the ops here")
-    kernel = runner._decode_inputs
+    if not runner.arrays.native:
+        pytest.skip("the C++ step inputs cannot be built here")
+    numpy_arrays = SlotArrays(256, BLOCK_SIZE, runner.device, native=False)
+    cpp_inputs = runner.arrays.inputs
     steps = []
 
-    def both(token_ids, block_tables, slots, start, block_size):  # the kernel's inputs, and the numpy path's
-        got = kernel(token_ids, block_tables, slots, start, block_size)
-        n = len(slots)
-        batch = _Batch(np.array(slots), np.ones(n, np.int64), np.array(start), np.arange(n + 1), n)
-        runner._decode_inputs = None
-        steps.append((got, ModelRunner._model_inputs(runner, batch)))
-        runner._decode_inputs = both
+    def both(slots, start, num_scheduled):  # the C++'s inputs, and numpy's from the same arrays
+        got = cpp_inputs(slots, start, num_scheduled)
+        numpy_arrays.token_ids, numpy_arrays.block_tables = (
+            runner.arrays.token_ids,
+            runner.arrays.block_tables,
+        )
+        steps.append((got, numpy_arrays.inputs(slots, start, num_scheduled)))
         return got
 
-    runner._decode_inputs = both
-    # Slots out of order, one past the arrays' first rows (they grow, and the kernel must read the new
-    # ones); contexts ending on a block's edge (slot 0 takes a new block), mid-block, and in a longer table.
+    runner.arrays.inputs = both
+    # Slots out of order, one past the arrays' first rows (they grow, and the C++ must read the new ones);
+    # contexts ending on a block's edge (slot 0 takes a new block), mid-block, and in a longer table.
     prompts = {11: list(range(3, 10)), 0: list(range(20, 24)), 5: list(range(40, 49))}
     tables = {11: [4, 5], 0: [0], 5: [6, 7, 8]}
     runner.execute(
@@ -280,20 +282,20 @@ def test_a_decode_steps_inputs_from_the_cpu_kernels_are_the_general_paths(model_
     )
     runner.execute(plan(2, [(11, 1, []), (0, 1, [1]), (5, 1, [])]))
     runner.execute(plan(3, [(5, 1, []), (11, 1, [9])]))
-    assert len(steps) == 2  # the prompt step took the numpy path alone
-    for (ids, positions, *kernel_attn), (ids_np, positions_np, attn_np) in steps:
-        for got, want in [
-            (ids, ids_np),
-            (positions, positions_np),
-            *zip(
-                kernel_attn,
-                [attn_np.slot_mapping, attn_np.block_tables, attn_np.query_start_loc, attn_np.context_lens],
-                strict=True,
-            ),
+    assert len(steps) == 3  # the prompt step, then two plain decode steps
+    for got, want in steps:
+        for a, b in [
+            (got.input_ids, want.input_ids),
+            (got.positions, want.positions),
+            (got.attn.slot_mapping, want.attn.slot_mapping),
+            (got.attn.block_tables, want.attn.block_tables),
+            (got.attn.query_start_loc, want.attn.query_start_loc),
+            (got.attn.context_lens, want.attn.context_lens),
         ]:
-            assert got.dtype == want.dtype and torch.equal(got, want)
-        assert attn_np.max_query_len == 1
-    assert steps[0][0][2].tolist() == [5 * 4 + 3, 1 * 4 + 0, 8 * 4 + 1]  # the slot mapping
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        assert got.attn.max_query_len == want.attn.max_query_len
+    assert [got.attn.max_query_len for got, _ in steps] == [9, 1, 1]
+    assert steps[1][0].attn.slot_mapping.tolist() == [5 * 4 + 3, 1 * 4 + 0, 8 * 4 + 1]
 
 
 def _parity_plans():
@@ -321,10 +323,8 @@ def _parity_plans():
 
 def test_the_plain_decode_path_gives_the_general_paths_state_and_results(model_dir):
     fast = make_runner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
-    if fast._decode_inputs is None:
-        pytest.skip("the C++ CPU kernels are not the ops here")
     general = make_runner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
-    general._argmax_append = None  # no plain decode path
+    general._plain_decode = lambda plan: None  # no plain decode path
     taken = []
     execute_decode = fast._execute_decode
     fast._execute_decode = lambda plan, *args: taken.append(plan.step_id) or execute_decode(plan, *args)
@@ -334,21 +334,18 @@ def test_the_plain_decode_path_gives_the_general_paths_state_and_results(model_d
         want.ClearField("timings")
         assert got == want, f"step {step.step_id}"
         assert snapshot(fast) == snapshot(general), f"step {step.step_id}"
-        assert np.array_equal(fast.token_ids, general.token_ids)
+        assert np.array_equal(fast.arrays.token_ids, general.arrays.token_ids)
     assert taken == [2, 3, 4, 6, 7, 9, 12, 13]
     assert list(got.sampled_slots) == [3, 0]
 
 
 def test_the_plain_decode_path_grows_the_token_ids_for_the_sampled_token(model_dir):
     runner = make_runner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
-    if runner._decode_inputs is None:
-        pytest.skip("the C++ CPU kernels are not the ops here")
     runner.execute(first_plan())
     # A's 7 tokens fill a row of 7: its next sampled token needs a wider one.
-    runner.token_ids = runner.token_ids[:, :7].copy()
-    runner._share_arrays()
+    runner.arrays.token_ids = runner.arrays.token_ids[:, :7].copy()
     runner.execute(decode_plan(2))
-    assert runner.token_ids.shape[1] > 8 and runner.slots[0].num_tokens == 8
+    assert runner.arrays.token_ids.shape[1] > 8 and runner.slots[0].num_tokens == 8
     assert runner.tokens(0)[:7] == [*PROMPT_A, runner.slots[0].sampling.output_token_ids[0]]
 
 

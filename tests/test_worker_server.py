@@ -25,6 +25,7 @@ from worker_testing import (
 
 from pagedserve.grpc_utils import CHANNEL_OPTIONS, add_health_and_reflection, set_serving
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pagedserve.worker_svc import compute_thread
 from pagedserve.worker_svc import server as worker_server
 from pagedserve.worker_svc.config import WorkerConfig, parse_bytes
 from pagedserve.worker_svc.kv_cache import KVCacheSpec, resolve_num_blocks
@@ -120,7 +121,7 @@ async def test_steps_stream_returns_one_result_per_plan_in_order(model_dir):
 async def test_the_model_loads_on_the_thread_that_runs_every_step(model_dir, monkeypatch):
     # One thread opens every OpenMP parallel region of the process: a second thread that did (the load)
     # would keep a second team of OpenMP threads, and libgomp would then all but stop spinning between
-    # regions (see server.ComputeThread).
+    # regions (see compute_thread.ComputeThread).
     threads: dict[str, set[int]] = {"load": set(), "steps": set()}
 
     def load(config):
@@ -196,7 +197,7 @@ async def test_the_next_step_starts_as_the_previous_one_ends_even_while_the_even
 @pytest.mark.anyio
 async def test_a_result_is_written_while_the_next_step_computes_not_after_it(model_dir):
     # Plan 2 is queued while step 1 runs, so step 1's result is handed over at step 2's forward pass (see
-    # _ResultHandOver): step 2's forward pass holds on until the scheduler has step 1's result.
+    # ResultHandOver): step 2's forward pass holds on until the scheduler has step 1's result.
     server = await WorkerServer.load(worker_config(model_dir), max_register_backoff=0.5)
     runner = server.loaded.runner
     execute, forward = runner.execute, runner.model.forward
@@ -233,7 +234,7 @@ async def test_a_result_is_written_while_the_next_step_computes_not_after_it(mod
 @pytest.mark.anyio
 async def test_the_result_hand_over_holds_a_result_only_while_a_next_step_is_queued():
     loop = asyncio.get_running_loop()
-    hand_over = worker_server._ResultHandOver(loop)
+    hand_over = compute_thread.ResultHandOver(loop)
     first, second, third = loop.create_future(), loop.create_future(), loop.create_future()
 
     async def settle() -> None:
@@ -271,7 +272,7 @@ async def test_the_result_hand_over_holds_a_result_only_while_a_next_step_is_que
 
 
 def test_the_compute_thread_runs_calls_in_order_on_one_thread_and_ends_after_the_queued_ones():
-    thread = worker_server.ComputeThread()
+    thread = compute_thread.ComputeThread()
     ran: list[tuple[str, int]] = []
     gate = threading.Event()
     thread.post(gate.wait)  # holds the thread while calls queue up behind it

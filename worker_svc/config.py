@@ -166,13 +166,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--kv-cache-memory", parse_bytes, "KV pool budget, e.g. 2GiB, 512MiB, or bytes")
     add("--num-blocks", int, "exact number of KV blocks (overrides --kv-cache-memory)")
     add("--max-model-len", int, "longest sequence in tokens (default: the model's)")
-    # NOTE: measured on the 2-core development CPU (AVX-512 BF16), default model in bfloat16, quiet machine
-    # (load average ~1.2), ModelRunner.execute, median step: 1 thread -> 2 threads
-    #   decode, batch 1, context 128:    36.6 ->  29.5 ms
-    #   decode, batch 16, context 512:  117.2 -> 104.0 ms
-    #   prefill, 2 x 256 tokens:        745   -> 444 ms
-    # Two threads win when the cores are free; when other processes share them, OpenMP's threads wait on
-    # each other and one thread is steadier (docs/performance.md: several workers on one machine).
+    # NOTE: two threads win when the cores are free; when other processes share them, OpenMP's threads wait
+    # on each other and one thread is steadier (docs/performance.md: several workers on one machine, and
+    # "Measurements behind the code").
     add(
         "--threads",
         int,

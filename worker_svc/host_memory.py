@@ -3,14 +3,11 @@
 Every decode step reads both in full, the weights as long streams and the KV cache as 6 KB blocks that
 lie anywhere in the pool. With 4 KB pages the TLB covers a few megabytes of that, so most blocks start
 with a page walk that the prefetches cannot hide. Backed by transparent huge pages (2 MB) the same TLB
-covers gigabytes. Measured on a 2-core AVX-512 machine, SmolLM2-135M in bf16, whole decode steps
-alternating between two KV caches over the same model: 13 sequences at context 350 18.41 -> 17.91 ms,
-21 at 350 26.37 -> 25.15 ms, 48 at 300 54.99 -> 53.12 ms; and huge-page weights, one copy against
-another: 1 sequence 11.32 -> 11.09 ms, 13 sequences 18.22 -> 17.81 ms.
+covers gigabytes, and decode steps are shorter (docs/performance.md, "Measurements behind the code").
 
 Only these tensors get huge pages. Setting torch's THP_MEM_ALLOC_ENABLE=1 instead gives them to every
-large allocation, the activations too, and made prompt steps slower (1234 -> 1309 ms for 2000 tokens):
-their buffers are freed and allocated again every layer, and each new huge page is zeroed on first touch.
+large allocation, the activations too, and made prompt steps slower: their buffers are freed and
+allocated again every layer, and each new huge page is zeroed on first touch.
 
 Linux with transparent huge pages in "always" or "madvise" mode; elsewhere plain torch.zeros.
 """
@@ -75,9 +72,8 @@ class Arena:
     """Copies of contiguous CPU tensors placed one after another in huge-page mappings of `chunk_bytes`
     each (a tensor larger than that gets a mapping of its own), each at a 4 KB boundary: the model's
     packed weights, most of them under a huge page alone (SmolLM2-135M's qkv, o and down: 106 of its
-    269 MB), in huge pages all the same. Single-sequence decode steps, the same weights in an arena against
-    a mapping each (the small ones in 4 KB pages), alternating in one process: 0.982-0.997x as long at 512
-    and 2048 positions (four runs). Where huge pages are unavailable, copy returns the tensor itself.
+    269 MB), in huge pages all the same (decode steps 0.98-1.0x as long as with a mapping each, see
+    docs/performance.md). Where huge pages are unavailable, copy returns the tensor itself.
     A mapping lives as long as any tensor placed in it."""
 
     ALIGN = 4096

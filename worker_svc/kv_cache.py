@@ -78,10 +78,8 @@ class KVCache:
         # NOTE: zeros, not empty: padded block-table entries may point anywhere, and garbage there
         # (NaN/Inf from uninitialised memory) must never leak into a masked-out softmax term.
         # One allocation for all layers: on the CPU it lies in huge pages even where one layer's K or V is
-        # smaller than a huge page (a pool sized for a few sequences), which a tensor of its own could not.
-        # One sequence at 2048 positions, a pool of exactly its blocks (786 KB a layer) against one of
-        # 10000 blocks (in huge pages), decode steps alternating in one process: 0.978-0.986x as long; the
-        # decode attention alone, 30 layers from memory, 93.9 -> 81.2 us a layer.
+        # smaller than a huge page (a pool sized for a few sequences), which a tensor of its own could not
+        # (docs/performance.md, "Measurements behind the code").
         # On the CPU a block is head-major (a kv head's rows of the block side by side), and each tensor is a
         # view of that in the shape above: the decode attention then reads every block front to back, one
         # kv head at a time. On CUDA the kernels take the token-major tensor itself.

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from pagedserve.kernels import get_ops
+from pagedserve.kernels.ops import linear_for
 from pagedserve.worker_svc.model import CausalLM, ModelConfig, can_pack_linears
 
 log = logging.getLogger(__name__)
@@ -33,18 +34,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def parse_dtype(name: str, device: torch.device | str) -> torch.dtype:
     if name == "auto":
-        # bfloat16 on CUDA, and on CPUs where it beats float32 (cpu_prefers_bf16). Measured on a 2-core
-        # AMD EPYC with avx512_bf16 (torch 2.13, 2 threads), default model SmolLM2-135M, ModelRunner.execute
-        # through the paged cache, min of 3 back to back (load average ~1.8):
-        #   prefill, 2 sequences x 256 tokens:  float32 738 ms   bfloat16 407 ms  (1.8x)
-        #   decode, 1 sequence, 256 context:    float32  60 ms   bfloat16  34 ms  (1.8x; half the bytes)
-        # On a 2-core AMD EPYC with AVX2 and no AVX-512 (Zen 3), the offline engine on 24 requests of the
-        # mixed workload (bench/compare_transformers.py): float32 41.3 output tokens/s; bfloat16 through the
-        # kernels' AVX2 linear 72.9 and 76.5, and 80-87 with their AVX2 attention as well.
-        # The price is accuracy: logits differ from float32 by up to 1.2, the argmax differs at 3% of the
-        # positions of the chat prompt, and greedy output leaves transformers' float32 output within 10
-        # tokens on one of two test prompts. Like vLLM's CPU backend, "auto" takes the speed; everything
-        # that compares with transformers (tests, parity checks) passes --dtype float32 explicitly.
+        # bfloat16 on CUDA, and on CPUs where it beats float32 (cpu_prefers_bf16): half the bytes that
+        # decode streams (docs/performance.md, "Measurements behind the code"). The price is accuracy
+        # (logits differ from float32's by up to 1.2, and greedy text from transformers' float32 text sooner).
+        # Like vLLM's CPU backend, "auto" takes the speed; everything that compares with transformers (tests,
+        # parity checks) passes --dtype float32 explicitly.
         device = torch.device(device)
         if device.type == "cuda" or (device.type == "cpu" and cpu_prefers_bf16()):
             return torch.bfloat16
@@ -59,7 +53,7 @@ def cpu_prefers_bf16() -> bool:
     """Whether bfloat16 beats float32 on this CPU: it multiplies bf16 natively, or the C++ kernels have their
     linear layer (AVX2 with FMA: bf16 weights widened as they stream, half the bytes of float32). Elsewhere
     PyTorch emulates bf16 matmuls, about 100x slower than float32 on an AVX2 CPU."""
-    return cpu_has_native_bf16() or get_ops(torch.device("cpu")).linear_kernels() is not None
+    return cpu_has_native_bf16() or linear_for(get_ops(torch.device("cpu")), torch.bfloat16) is not None
 
 
 @functools.cache

@@ -2,7 +2,13 @@
 
 The batch has no padding: the tokens of all sequences are concatenated, `positions` gives each token's
 position in its sequence, and `AttentionMetadata` says which rows belong to which sequence and where
-their K/V live in the paged cache. Attention goes through the paged KV ops of `pagedserve.kernels`.
+their K/V live in the paged cache. Attention and the fused small ops go through the kernel ops
+(`pagedserve.kernels`, the contract in kernels/ops.py).
+
+These modules are the one description of the architecture. Where the ops have a DecoderStack (the C++ CPU
+kernels with their linear layer), CausalLM builds one from these modules' own packed weights and norms, and
+it runs the same layers with the same kernels in the same order in one call: the same bits, which
+tests/test_model.py checks against the layer loop below for every family.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import get_ops
+from pagedserve.kernels.ops import DecoderStack, DecoderStackFactory, LinearKernels, Ops, linear_for
 from pagedserve.worker_svc import host_memory
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -122,7 +129,7 @@ class AttentionMetadata:
 class RMSNorm(nn.Module):
     """RMSNorm through the kernel ops: normalised in float32, multiplied in the model dtype (as HF)."""
 
-    def __init__(self, size: int, eps: float, ops: Any, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, size: int, eps: float, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
         self.ops = ops
@@ -189,32 +196,17 @@ class PackedLinear(nn.Module):
     layout for this CPU.
 
     NOTE: bf16 F.linear on CPU runs oneDNN but reorders (or reads strided) the plain [out, in] weight on
-    every call. Prepacked for oneDNN, single-token decode streams the weights about 1.7x faster (one
-    2-core AVX-512 BF16 EPYC, 1 thread, the default model's 30 layers from DRAM: 25.2 -> 14.8 ms) with
-    bit-identical results. The kernels' linear (kernels/cpu_ops.cpp) streams them faster still at few
-    rows, and with the model's DecoderStack it is at least as fast at every batch size. Per call, weights
-    from DRAM, 2 threads, oneDNN / ours in ms: SmolLM2's gate_up [3072 x 576] at 1 row 0.193 / 0.116, 16
-    rows 0.234 / 0.187. Whole steps, alternating step by step, the stack and ours against the Python loop
-    and oneDNN: decode at context 300, 48 rows 74.5 -> 58.9 ms, 192 rows 223 -> 206 ms, 256 rows 290 ->
-    271 ms; prompts of 200 tokens 123 -> 114 ms, of 2000 tokens 1234 -> 1218 ms. So one copy serves all:
-    keeping oneDNN's too for large batches cost the weights' memory twice and bought nothing (64 requests
-    of the mixed workload: 332.8 and 344.1 output tokens/s with both copies, 339.1 and 344.1 with one).
-
-    float32 weights go to the kernels' float32 linear where the CPU has AVX2 with FMA (kernels/cpu_ops.cpp,
-    linear_f32_avx2), else to oneDNN prepacked: F.linear runs MKL's sgemm, which on an AMD CPU streams the
-    weights at 4-8 GB/s (the LM head [49152 x 576] at 2 rows: 30 ms against 15 ms prepacked). Default
-    model, `bench/bench_worker.py --dtype float32 --context 128`, 2-core Zen 3, two runs each, F.linear /
-    oneDNN prepacked, ms a step: 1 row 96.6 and 84.1 / 69.2 and 77.3, 2 rows 169 and 162 / 108 and 125, 8
-    rows 173 and 147 / 116 and 145, 32 rows 256 and 265 / 175 and 209. The kernels' float32 linear against
-    oneDNN prepacked, the 30 layers' linears and the LM head (weights from memory, 2 threads, ms): 1 row
-    23.1 / 40.3, 2 rows 24.9 / 69.3, 8 rows 31.9 / 82.7, 16 rows 39.0 / 102.2, 48 rows 83.5 / 171.0; the
-    30 layers' alone over 2048 prompt rows about even (3224 and 3624 / 3329 and 3514)."""
+    every call; prepacked, the same results come faster. The kernels' linear streams the weights faster
+    still at few rows, and with the DecoderStack it is at least as fast at every batch size, so one copy in
+    its layout serves all. float32 F.linear runs MKL's sgemm, which on an AMD CPU streams the weights
+    slowly: float32 goes to the kernels' float32 linear, else to oneDNN prepacked. (docs/performance.md,
+    "Measurements behind the code".)"""
 
     def __init__(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        kernels: Any = None,
+        kernels: LinearKernels | None = None,
         arena: host_memory.Arena | None = None,
     ) -> None:
         super().__init__()
@@ -242,7 +234,7 @@ def can_pack_linears(dtype: torch.dtype, device: torch.device) -> bool:
     BF16, or AVX2 with FMA; float32: AVX2 with FMA), else where oneDNN runs it (bf16 natively)."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return False
-    if get_ops(device).linear_kernels(dtype) is not None:
+    if linear_for(get_ops(device), dtype) is not None:
         return True
     if dtype == torch.float32:
         return torch.backends.mkldnn.is_available()
@@ -250,7 +242,7 @@ def can_pack_linears(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Any, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.ops = ops
         self.num_heads = config.num_heads
@@ -309,7 +301,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Any, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.ops = ops
         # gate and up in one matmul: the loader concatenates the HF gate_proj and up_proj rows.
@@ -323,7 +315,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Any, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.self_attn = Attention(config, ops, dtype, device)
         self.mlp = MLP(config, ops, dtype, device)
@@ -354,13 +346,16 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Parameter names follow HF without the `model.` prefix, with qkv_proj and gate_up_proj fused."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, ops: Ops | None = None
+    ) -> None:
         super().__init__()
         device = torch.device(device)
         self.config = config
         self.dtype = dtype
         self.device = device
-        ops = get_ops(device)
+        # The kernel ops every layer calls: the device's (get_ops), unless given.
+        self.ops = ops = get_ops(device) if ops is None else ops
         self.embed_tokens = torch.nn.utils.skip_init(
             nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device
         )
@@ -374,8 +369,8 @@ class CausalLM(nn.Module):
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
         # A tied head's packed copy of the embedding matrix (see pack_linears); None: not packed.
         self.tied_head: PackedLinear | None = None
-        # The layers in one C++ call, where the kernels have their linear (see pack_linears).
-        self.stack: Any = None
+        # The layers in one call of the kernels, where they have a DecoderStack (see pack_linears).
+        self.stack: DecoderStack | None = None
 
     @torch.inference_mode()
     def forward(
@@ -436,7 +431,7 @@ class CausalLM(nn.Module):
         """Replace every nn.Linear (and a tied LM head) with a PackedLinear; see can_pack_linears.
         A tied head gets a packed copy of the embedding matrix, tied_head (the lookup needs the plain one)."""
         assert can_pack_linears(self.dtype, self.device), (self.dtype, self.device)
-        kernels = get_ops(self.device).linear_kernels(self.dtype)
+        kernels = linear_for(self.ops, self.dtype)
         arena = host_memory.Arena()
         for module in self.modules():
             for name, child in module.named_children():
@@ -444,16 +439,16 @@ class CausalLM(nn.Module):
                     setattr(module, name, PackedLinear(child.weight, child.bias, kernels, arena))
         if self.lm_head is None:
             self.tied_head = PackedLinear(self.embed_tokens.weight, None, kernels, arena)
-        if kernels is not None:
-            self.stack = self._build_stack()
+        if kernels is not None and self.ops.decoder_stack is not None:
+            self.stack = self._build_stack(self.ops.decoder_stack)
 
-    def _build_stack(self) -> Any:
+    def _build_stack(self, new_stack: DecoderStackFactory) -> DecoderStack:
         """The kernels' DecoderStack over this model's packed weights (shared, not copied). It runs the
         same kernels as forward's Python loop, in the same order (the MLP's gate_up linear and silu_mul
         as one pass, with the same roundings), so both compute the same bits; it saves the Python work
-        around each of the ~10 kernel calls per layer (batch 1: ~2 ms a step)."""
+        around each of the ~10 kernel calls per layer."""
         c = self.config
-        stack = get_ops(self.device).decoder_stack(
+        stack = new_stack(
             hidden=c.hidden_size,
             intermediate=c.intermediate_size,
             num_heads=c.num_heads,

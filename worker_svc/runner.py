@@ -2,8 +2,8 @@
 KV pool, runs one forward pass over the plan's flat batch, samples, and answers with a StepResult.
 
 The state of a live request is split in two: the small Python record (`SlotState`) and rows of two
-persistent numpy arrays indexed by slot, its token ids and its block table, so a step's input ids,
-slot mapping and block tables come from a few fancy-indexing gathers instead of per-token loops.
+persistent arrays indexed by slot, its token ids and its block table (step_inputs.SlotArrays), from which
+every step's model inputs are built and into which its sampled tokens go.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.kernels import get_ops
 from pagedserve.v1 import common_pb2, worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCache
-from pagedserve.worker_svc.model import AttentionMetadata, CausalLM
+from pagedserve.worker_svc.model import CausalLM
 from pagedserve.worker_svc.sampler import Sampler, SamplingMetadata, SlotSamplingState, compute_logprobs
+from pagedserve.worker_svc.step_inputs import SlotArrays, StepInputs, as_tensor
 
 # Slots are small integers picked by the scheduler; this bounds the per-slot arrays.
 MAX_SLOTS = 1 << 16
@@ -34,9 +34,9 @@ class PlanError(InvalidRequestError):
 class SlotState:
     request_id: str  # for logs (forks share it)
     prompt_len: int  # leading tokens that are the prompt
-    num_tokens: int  # tokens known: prompt + sampled; ids in ModelRunner.token_ids[slot, :num_tokens]
+    num_tokens: int  # tokens known: prompt + sampled; ids in SlotArrays.token_ids[slot, :num_tokens]
     num_computed_tokens: int  # leading tokens whose K/V are in the cache
-    num_blocks: int  # block table length; ids in ModelRunner.block_tables[slot, :num_blocks]
+    num_blocks: int  # block table length; ids in SlotArrays.block_tables[slot, :num_blocks]
     sampling: SlotSamplingState  # parameters and output history for penalties
 
 
@@ -66,21 +66,11 @@ class ModelRunner:
         self.num_blocks = kv_cache.num_blocks
         self.max_model_len = max_model_len
         self.vocab_size = model.config.vocab_size
-        self.ops = get_ops(self.device)
+        self.ops = model.ops  # the kernel ops the model runs on
         self.sampler = sampler or Sampler(self.vocab_size, self.device)
         self._kv_layers = kv_cache.layers
-        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        # NOTE: both arrays grow by doubling when a larger slot (or longer sequence) shows up, so the
-        # common case costs no allocation.
-        self.token_ids = np.zeros((8, min(max_model_len + 1, 1024)), dtype=np.int64)
-        self.block_tables = np.zeros((8, min(self.max_blocks_per_seq, 64)), dtype=np.int32)
-        # A decode step's inputs in one call of the CPU kernels where they are the ops (see _model_inputs),
-        # over tensors that share the two arrays' memory (made again when an array grows), and a greedy one's
-        # sampling in another (see _execute_decode).
-        cpu = self.device.type == "cpu"
-        self._decode_inputs = getattr(self.ops, "decode_inputs", None) if cpu else None
-        self._argmax_append = getattr(self.ops, "argmax_append_", None) if cpu else None
-        self._share_arrays()
+        # Each live slot's token ids and block table.
+        self.arrays = SlotArrays(max_model_len, self.block_size, self.device)
         self.slots: dict[int, SlotState] = {}
         # Slots whose NewRequest was refused (see _refusals), with why: left out of every plan that
         # schedules them until a plan frees them; the scheduler fails their requests meanwhile.
@@ -158,15 +148,15 @@ class ModelRunner:
         t1 = t2 = time.perf_counter()
         if batch is None:
             return t1, t2, 0
-        input_ids, positions, attn = self._model_inputs(batch)
+        inputs = self.arrays.inputs(batch.slots.tolist(), batch.start.tolist(), batch.num_scheduled.tolist())
         sample_idx, prompt_rows = self._logits_rows(batch)
         # The model returns the final states of these rows alone; sample rows alone come in order, and all of
         # them (a decode step) are every row.
         output_rows = None
         if prompt_rows or len(sample_idx) != batch.num_tokens:
             rows = [batch.query_start_loc[1:][sample_idx] - 1, *(r for _, r in prompt_rows)]
-            output_rows = _tensor(np.concatenate(rows).astype(np.int64, copy=False), self.device)
-        logits, t1, t2 = self._forward(input_ids, positions, attn, output_rows, before_forward)
+            output_rows = as_tensor(np.concatenate(rows).astype(np.int64, copy=False), self.device)
+        logits, t1, t2 = self._forward(inputs, output_rows, before_forward)
         self._sample(batch, sample_idx, logits[: len(sample_idx)], result)
         self._prompt_logprobs(batch, prompt_rows, logits[len(sample_idx) :], result)
         return t1, t2, batch.num_tokens
@@ -174,20 +164,16 @@ class ModelRunner:
     # ---- the steady state: a plain decode step --------------------------------------------------------
 
     def _plain_decode(self, plan: worker_pb2.StepPlan) -> tuple[list[int], list[SlotState]] | None:
-        """The slots and states of a valid plain decode step, where the CPU kernels are the ops: live
-        slots, each scheduled once for the one token that completes it (so that it samples), blocks
-        appended at most, nothing freed, added, replaced or copied. Else None: the general path takes
-        the plan, and refuses it if it is broken (see _validate, which accepts every plan this does).
+        """The slots and states of a valid plain decode step: live slots, each scheduled once for the one
+        token that completes it (so that it samples), blocks appended at most, nothing freed, added,
+        replaced or copied. Else None: the general path takes the plan, and refuses it if it is broken (see
+        _validate, which accepts every plan this does).
 
         NOTE: the steady state of decoding, taken with as little Python as it needs: this and the rest of
         the step's Python between two forward passes run cold, the caches full of the weights, where each
-        protobuf field, numpy or torch call and object costs microseconds. One sequence at 256 positions,
-        2-core Zen 4, against the general path (medians of 300 steps): the Python before the forward pass
-        98-100 -> 44-47 us, after it 119-123 -> 60-65 us; 16 sequences 137 -> 59 and 253 -> 139 us."""
+        protobuf field, numpy or torch call and object costs microseconds (docs/performance.md)."""
         if (
-            self._decode_inputs is None
-            or self._argmax_append is None
-            or plan.step_id != self.last_step_id + 1
+            plan.step_id != self.last_step_id + 1
             or plan.finished_slots
             or plan.preempted_slots
             or plan.new_requests
@@ -227,29 +213,22 @@ class ModelRunner:
         before_forward: Callable[[], None] | None,
         result: worker_pb2.StepResult,
     ) -> tuple[float, float]:
-        """A plain decode step (see _plain_decode), its outcome written into result: the same state, inputs and
-        result as the general path's, which test_worker_runner checks. Returns the start and end of its forward
-        pass."""
+        """A plain decode step (see _plain_decode), its outcome written into result: the same state, inputs
+        and result as the general path's, which test_worker_runner checks. Returns the start and end of its
+        forward pass."""
         if plan.new_block_ids:
             self._append_blocks(plan)
         start = [state.num_computed_tokens for state in states]
-        ends = [state.num_tokens for state in states]  # where each sampled token goes: start + 1
-        last = max(ends)
-        if last >= self.token_ids.shape[1]:
-            self._reserve(0, last + 1, 0)
-        input_ids, positions, *tensors = self._decode_inputs(
-            self._token_ids_shared, self._block_tables_shared, slots, start, self.block_size
-        )
-        attn = AttentionMetadata(*tensors, max_query_len=1)
-        logits, t1, t2 = self._forward(input_ids, positions, attn, None, before_forward)
+        inputs = self.arrays.inputs(slots, start, None)
+        logits, t1, t2 = self._forward(inputs, None, before_forward)
         result.step_id = plan.step_id
         for state in states:
             state.num_computed_tokens += 1
         if self._sampler_slots:
             self._sample_rows(slots, states, logits, result)
             return t1, t2
-        # Every live slot is argmax_only: its token is its row's argmax, which the kernel writes into token_ids.
-        tokens = self._argmax_append(logits, self._token_ids_shared, slots, ends)
+        # Every live slot is argmax_only: its token is its row's argmax, at start + 1 (its num_tokens).
+        tokens = self.arrays.append(slots, [state.num_tokens for state in states], self.ops.argmax(logits))
         for state, token in zip(states, tokens, strict=True):
             state.num_tokens += 1
             state.sampling.append_output(token)
@@ -260,9 +239,7 @@ class ModelRunner:
 
     def _forward(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
+        inputs: StepInputs,
         output_rows: torch.Tensor | None,
         before_forward: Callable[[], None] | None,
     ) -> tuple[torch.Tensor, float, float]:
@@ -270,7 +247,7 @@ class ModelRunner:
         if before_forward is not None:
             before_forward()
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, attn, self._kv_layers, output_rows)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self._kv_layers, output_rows)
         logits = self.model.compute_logits(hidden)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -281,11 +258,11 @@ class ModelRunner:
     def tokens(self, slot: int) -> list[int]:
         """Token ids known for a live slot (prompt + sampled)."""
         state = self.slots[slot]
-        return self.token_ids[slot, : state.num_tokens].tolist()
+        return self.arrays.token_ids[slot, : state.num_tokens].tolist()
 
     def block_table(self, slot: int) -> list[int]:
         state = self.slots[slot]
-        return self.block_tables[slot, : state.num_blocks].tolist()
+        return self.arrays.block_tables[slot, : state.num_blocks].tolist()
 
     # ---- validation: everything is checked before anything changes -------------------------------
 
@@ -435,8 +412,8 @@ class ModelRunner:
                 self._sampler_slots.discard(slot)
         for req in plan.new_requests:
             n = len(req.token_ids)
-            self._reserve(req.slot, n + 1, 0)
-            self.token_ids[req.slot, :n] = req.token_ids
+            self.arrays.reserve(req.slot, n + 1, 0)
+            self.arrays.token_ids[req.slot, :n] = req.token_ids
             sampling = _sampling_state(req)
             self.slots[req.slot] = SlotState(
                 request_id=req.request_id,
@@ -451,7 +428,7 @@ class ModelRunner:
         for slot, index, block in zip(
             plan.replaced_slots, plan.replaced_block_indices, plan.replaced_block_ids, strict=True
         ):
-            self.block_tables[slot, index] = block
+            self.arrays.block_tables[slot, index] = block
         self._append_blocks(plan)
         if plan.copy_src_blocks:
             src = torch.tensor(plan.copy_src_blocks, dtype=torch.int64, device=self.device)
@@ -463,38 +440,19 @@ class ModelRunner:
         for slot, appended in zip(plan.slots, plan.num_new_blocks, strict=True):
             if appended:
                 state = self.slots[slot]
-                self._reserve(slot, 0, state.num_blocks + appended)
+                self.arrays.reserve(slot, 0, state.num_blocks + appended)
                 ids = plan.new_block_ids[offset : offset + appended]
-                self.block_tables[slot, state.num_blocks : state.num_blocks + appended] = ids
+                self.arrays.block_tables[slot, state.num_blocks : state.num_blocks + appended] = ids
                 state.num_blocks += appended
                 offset += appended
-
-    def _reserve(self, slot: int, num_tokens: int, num_blocks: int) -> None:
-        rows, cols = self.token_ids.shape
-        grew = False
-        if slot >= rows or num_tokens > cols:
-            grown = np.zeros((_grow(rows, slot + 1), _grow(cols, num_tokens)), dtype=np.int64)
-            grown[:rows, :cols] = self.token_ids
-            self.token_ids, grew = grown, True
-        rows, cols = self.block_tables.shape
-        if slot >= rows or num_blocks > cols:
-            grown = np.zeros((_grow(rows, slot + 1), _grow(cols, num_blocks)), dtype=np.int32)
-            grown[:rows, :cols] = self.block_tables
-            self.block_tables, grew = grown, True
-        if grew:
-            self._share_arrays()
-
-    def _share_arrays(self) -> None:
-        self._token_ids_shared = torch.from_numpy(self.token_ids)
-        self._block_tables_shared = torch.from_numpy(self.block_tables)
 
     # ---- the batch --------------------------------------------------------------------------------
 
     def _batch(self, plan: worker_pb2.StepPlan) -> _Batch | None:
         if not plan.slots:
             return None
-        # NOTE: np.fromiter reads a repeated protobuf field about 3x as fast as np.asarray. np.add.accumulate,
-        # not np.cumsum, whose Python wrapper is one more cold call (see _model_inputs).
+        # NOTE: np.fromiter reads a repeated protobuf field faster than np.asarray; np.add.accumulate, not
+        # np.cumsum, whose Python wrapper is one more cold call.
         n = len(plan.slots)
         slots = np.fromiter(plan.slots, np.int64, n)
         num_scheduled = np.fromiter(plan.num_scheduled_tokens, np.int64, n)
@@ -502,49 +460,6 @@ class ModelRunner:
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
         np.add.accumulate(num_scheduled, out=query_start_loc[1:])
         return _Batch(slots, num_scheduled, start, query_start_loc, int(query_start_loc[-1]))
-
-    def _model_inputs(self, b: _Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        if self._decode_inputs is not None and b.num_tokens == len(b.slots):
-            # NOTE: a decode step's input ids, slot mapping, block tables, query starts and context lengths
-            # in one C++ call, the same values as the numpy below: its eight numpy calls and five tensors
-            # cost more than the gathers, run cold after every forward pass. Two runners alternating decode
-            # steps, the step's Python before the forward pass: one sequence at 2048 positions 257 -> 168
-            # us, at 512 265 -> 170 us, 16 at 512 273 -> 190 us; whole steps 0.989-0.995x as long.
-            ids, positions, *tensors = self._decode_inputs(
-                self._token_ids_shared,
-                self._block_tables_shared,
-                b.slots.tolist(),
-                b.start.tolist(),
-                self.block_size,
-            )
-            return ids, positions, AttentionMetadata(*tensors, max_query_len=1)
-        # Per token: its position in its sequence, and the sequence's slot.
-        if b.num_tokens == len(b.slots):  # a decode step: each sequence's one token at its next position
-            positions, slot_of_token = b.start, b.slots
-        else:
-            seq_of_token = np.repeat(np.arange(len(b.slots)), b.num_scheduled)
-            positions = b.start[seq_of_token] + (np.arange(b.num_tokens) - b.query_start_loc[seq_of_token])
-            slot_of_token = b.slots[seq_of_token]
-        # NOTE: each array made in its tensor's dtype, in as few numpy calls as it takes: this runs after
-        # every forward pass, with the caches full of the weights, where each call costs microseconds. Two
-        # runners alternating decode steps, the step's Python before the forward pass (with _batch's
-        # accumulate): one sequence at 2048 positions 297 -> 274 us, 16 at 512 335 -> 310 us.
-        input_ids = self.token_ids[slot_of_token, positions]
-        index, offset = np.divmod(positions, self.block_size)
-        slot_mapping = np.multiply(self.block_tables[slot_of_token, index], self.block_size, dtype=np.int64)
-        slot_mapping += offset
-        context_lens = np.add(b.start, b.num_scheduled, dtype=np.int32)
-        max_blocks = -(-int(context_lens.max()) // self.block_size)
-        block_tables = self.block_tables[b.slots, :max_blocks]
-
-        attn = AttentionMetadata(
-            slot_mapping=_tensor(slot_mapping, self.device),
-            block_tables=_tensor(block_tables, self.device),
-            query_start_loc=_tensor(b.query_start_loc.astype(np.int32), self.device),
-            context_lens=_tensor(context_lens, self.device),
-            max_query_len=int(b.num_scheduled.max()),
-        )
-        return _tensor(input_ids, self.device), _tensor(positions, self.device), attn
 
     def _logits_rows(self, b: _Batch) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
         """Batch indices that sample (their known tokens are all computed after this step), and per
@@ -583,10 +498,8 @@ class ModelRunner:
         """Sample a token for each of these slots from its row of logits, append it and write the result."""
         meta = SamplingMetadata.build([s.sampling for s in states], self.vocab_size, self.device)
         out = self.sampler(logits, meta)
-        token_ids = out.token_ids.tolist()
-        for slot, state, token in zip(slots, states, token_ids, strict=True):
-            self._reserve(slot, state.num_tokens + 2, 0)
-            self.token_ids[slot, state.num_tokens] = token
+        token_ids = self.arrays.append(slots, [state.num_tokens for state in states], out.token_ids)
+        for state, token in zip(states, token_ids, strict=True):
             state.num_tokens += 1
             state.sampling.append_output(token)
         result.sampled_slots.extend(slots)
@@ -617,7 +530,7 @@ class ModelRunner:
             slot = int(b.slots[i])
             state = self.slots[slot]
             first = int(b.start[i]) + 1  # the prompt position scored by the first row
-            targets = torch.from_numpy(self.token_ids[slot, first : first + len(rows)].copy())
+            targets = torch.from_numpy(self.arrays.token_ids[slot, first : first + len(rows)].copy())
             k = state.sampling.prompt_logprobs or 0
             lp = compute_logprobs(logits[offset : offset + len(rows)], targets.to(self.device), k)
             offset += len(rows)
@@ -639,14 +552,6 @@ class ModelRunner:
                         top_logprobs=top_lps,
                     )
                 )
-
-
-def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """An integer array, made in its tensor's dtype, as a tensor on `device` (on the CPU the array's own
-    memory). A torch .to(), even one that changes nothing, costs a dispatch, and the step's Python runs
-    cold after every forward pass (the weights have streamed through the caches)."""
-    tensor = torch.from_numpy(array)
-    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 
 
 def _without_slots(plan: worker_pb2.StepPlan, left_out: Iterable[int]) -> worker_pb2.StepPlan:
@@ -692,9 +597,3 @@ def _sampling_state(req: worker_pb2.NewRequest) -> SlotSamplingState:
     return SlotSamplingState.from_proto(
         req.sampling, req.token_ids[: req.prompt_len], output_token_ids=req.token_ids[req.prompt_len :]
     )
-
-
-def _grow(current: int, needed: int) -> int:
-    while current < needed:
-        current *= 2
-    return current
