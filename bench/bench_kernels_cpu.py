@@ -1,4 +1,4 @@
-"""CPU micro-benchmarks of paged attention (one layer).
+"""CPU micro-benchmarks of the C++ kernels: paged attention (one layer) and the linear layers.
 
 Shapes of SmolLM2-135M: 9 query heads, 3 kv heads, head size 64; block size 16. Each sequence's blocks
 are a random permutation of the pool, as after some hours of serving.
@@ -11,18 +11,37 @@ and the K/V bandwidth of the best.
 turn (the row kernel, the tiled kernel, dense SDPA): milliseconds per call (best of the repeats) for
 chunks of q queries after a context, and the tiled kernel's GFLOP/s over the causal query-key pairs.
 
-    .venv/bin/python bench/bench_kernels_cpu.py [--prefill] [--dtype bfloat16] [--threads N]
+--linear: the linear layers of a SmolLM2-135M step (30 x qkv, o, gate_up and down, and the LM head, each
+call with its own copy of the weights, in a step's order) at 1 to 2048 rows, through the kernels' linear
+and through oneDNN as PyTorch runs it (F.linear: oneDNN for bf16, MKL's sgemm for float32; and oneDNN's
+prepacked linear, model.PackedLinear's other choice, prepacked for the call's row count), in bf16 and in
+float32. --march builds the kernels for other instruction sets too (PAGEDSERVE_CPU_MARCH, each in its own
+process) and holds oneDNN and MKL to that instruction set there (ONEDNN_MAX_CPU_ISA,
+MKL_ENABLE_INSTRUCTIONS): what the kernels' linear is up against on such a CPU. GFLOP/s of a step's
+linears per build, dtype and system, then per shape; writes bench/results/bench_kernels_cpu_linear.{json,png}.
+
+    .venv/bin/python bench/bench_kernels_cpu.py [--prefill | --linear [--march native,icelake-server,haswell]]
+        [--dtype bfloat16] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from pagedserve.kernels import reference
+from pagedserve.kernels import cpu_ops, reference
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 BATCHES = (1, 4, 16, 64)
@@ -74,8 +93,6 @@ PREFILL_SHAPES = (
 
 def time_prefill(q_len: int, ctx: int, seqs: int, dtype: torch.dtype, min_seconds: float) -> dict[str, float]:
     """Best milliseconds per call of each path of cpu_ops.paged_prefill_attention."""
-    from pagedserve.kernels import cpu_ops
-
     blocks_per_seq = -(-ctx // BLOCK_SIZE)
     num_blocks = seqs * blocks_per_seq + 1
     k_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).to(dtype)
@@ -115,15 +132,300 @@ def prefill_table(dtype: torch.dtype, min_seconds: float) -> None:
         )
 
 
+# ---- linear layers ---------------------------------------------------------------------------------------
+
+# SmolLM2-135M's linear layers as a step calls them: (name, N, K, calls a step). qkv holds 9 query heads and
+# 3 kv heads of 64, gate_up the MLP's gate and up projections side by side, head the tied LM head.
+LINEAR_SHAPES = (
+    ("qkv", 960, 576, 30),
+    ("o", 576, 576, 30),
+    ("gate_up", 3072, 576, 30),
+    ("down", 576, 1536, 30),
+    ("head", 49152, 576, 1),
+)
+LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 2048)
+# The instruction sets oneDNN, MKL and ATen may use where the kernels are built for an older CPU than this
+# one: the libraries' best on such a CPU, which is what the kernels' linear is up against there.
+MARCH_LIBRARY_ISA = {
+    "native": {},
+    "icelake-server": {
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+        "ATEN_CPU_CAPABILITY": "avx512",
+    },
+    "haswell": {
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+    },
+}
+
+
+@dataclass
+class LinearSystem:
+    name: str
+    prepare: Callable[[torch.Tensor, int], object]  # (weight [N, K], rows) -> what call takes
+    call: Callable[[torch.Tensor, object, int], torch.Tensor]  # (x, prepared, N) -> y
+    amx: bool = True  # the kernels' set_amx_enabled while it runs
+    by_rows: bool = False  # prepared for each row count
+
+
+def linear_systems(dtype: torch.dtype) -> list[LinearSystem]:
+    """The kernels' linear (with and without AMX where the build has it), torch's F.linear (oneDNN for bf16,
+    MKL's sgemm for float32) and oneDNN's prepacked linear (PackedLinear's choice where the kernels have no
+    linear), prepacked for the call's row count."""
+    systems = []
+    kernels = cpu_ops.linear_kernels(dtype)
+    if kernels is not None:
+
+        def ours(x, packed, n):
+            return kernels.linear(x, packed, n, None)
+
+        systems.append(LinearSystem("kernels", lambda w, rows: kernels.pack_linear_weight(w), ours))
+        if dtype == torch.bfloat16 and kernels.has_amx():
+            systems.append(
+                LinearSystem(
+                    "kernels, no AMX", lambda w, rows: kernels.pack_linear_weight(w), ours, amx=False
+                )
+            )
+    systems.append(
+        LinearSystem("F.linear", lambda w, rows: w, lambda x, w, n: torch.nn.functional.linear(x, w))
+    )
+    if torch.backends.mkldnn.is_available() and (
+        dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    ):
+        systems.append(
+            LinearSystem(
+                "oneDNN prepacked",
+                lambda w, rows: torch.ops.mkldnn._reorder_linear_weight(w, rows),
+                lambda x, w, n: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                by_rows=True,
+            )
+        )
+    return systems
+
+
+def linear_copies(rows: int) -> dict[str, int]:
+    # Past 64 rows the calls are bound by arithmetic: two copies will do, and keep a pass short.
+    return {name: calls if rows <= 64 else min(calls, 2) for name, _, _, calls in LINEAR_SHAPES}
+
+
+def time_linears(
+    system: LinearSystem, weights: dict[str, list], dtype: torch.dtype, rows: int, min_seconds: float
+) -> dict[str, float]:
+    """Seconds a step's calls of each shape take (LINEAR_SHAPES' calls, each with its own copy of the
+    weights, in a step's order, so that they come from wherever a step finds them): the median of passes
+    over all of them, after one that warms up."""
+    copies = linear_copies(rows)
+    gen = torch.Generator().manual_seed(rows)
+    xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for _, _, k, _ in LINEAR_SHAPES}
+    order = [
+        (name, n, k, i)
+        for i in range(max(copies.values()))
+        for name, n, k, _ in LINEAR_SHAPES
+        if i < copies[name]
+    ]
+    kernels = cpu_ops.linear_kernels(torch.bfloat16)
+    amx_before = kernels.set_amx_enabled(system.amx) if kernels is not None else None
+    try:
+        passes: list[dict[str, float]] = []
+        start = time.perf_counter()
+        while len(passes) < 4 or (time.perf_counter() - start < min_seconds and len(passes) < 50):
+            spent = dict.fromkeys(copies, 0.0)
+            for name, n, k, i in order:
+                t = time.perf_counter()
+                system.call(xs[k], weights[name][i], n)
+                spent[name] += time.perf_counter() - t
+            passes.append(spent)
+    finally:
+        if kernels is not None:
+            kernels.set_amx_enabled(amx_before)
+    return {
+        name: statistics.median(p[name] for p in passes[1:]) * calls / copies[name]
+        for name, _, _, calls in LINEAR_SHAPES
+    }
+
+
+def linear_path(system: LinearSystem, dtype: torch.dtype, rows: int) -> str:
+    """The kernels' linear that serves `rows` rows in this build (SmolLM2's K are multiples of 32)."""
+    if not system.name.startswith("kernels"):
+        return ""
+    if dtype == torch.float32:
+        return "f32 fma"
+    kernels = cpu_ops.load()
+    if system.amx and kernels.has_amx() and rows >= 6:
+        return "amx"
+    if cpu_ops.march() == "native" and "avx512_bf16" in Path("/proc/cpuinfo").read_text():
+        return "avx512-bf16"
+    return "avx512-widen" if cpu_ops.march() == "icelake-server" and rows >= 4 else "avx2-widen"
+
+
+def run_linear(dtypes: list[torch.dtype], rows_list: list[int], min_seconds: float) -> list[dict]:
+    """Every system's times for every dtype and row count in this process's build."""
+    results = []
+    march = cpu_ops.march()
+    most = linear_copies(min(rows_list))
+    for dtype in dtypes:
+        gen = torch.Generator().manual_seed(0)
+        plain = {
+            name: [(torch.randn(n, k, generator=gen) * k**-0.5).to(dtype) for _ in range(most[name])]
+            for name, n, k, _ in LINEAR_SHAPES
+        }
+        for system in linear_systems(dtype):
+            weights = None
+            for rows in rows_list:
+                if weights is None or system.by_rows:
+                    weights = None  # the last row count's copies go first
+                    weights = {name: [system.prepare(w, rows) for w in ws] for name, ws in plain.items()}
+                spent = time_linears(system, weights, dtype, rows, min_seconds)
+                results.append(
+                    {
+                        "march": march,
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "system": system.name,
+                        "path": linear_path(system, dtype, rows),
+                        "rows": rows,
+                        "seconds": spent,
+                    }
+                )
+                total = sum(spent.values())
+                print(
+                    f"  {march:>15} {results[-1]['dtype']:>9} {system.name:>17} {rows:>5} rows: "
+                    f"{total * 1e3:9.2f} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return results
+
+
+def linear_flops(rows: int) -> dict[str, float]:
+    return {name: 2.0 * rows * n * k * calls for name, n, k, calls in LINEAR_SHAPES}
+
+
+def linear_tables(results: list[dict]) -> None:
+    """GFLOP/s of a step's linears, one table per build and dtype (rows x systems), then of each shape."""
+    for march in dict.fromkeys(r["march"] for r in results):
+        for dtype in dict.fromkeys(r["dtype"] for r in results if r["march"] == march):
+            cells = [r for r in results if r["march"] == march and r["dtype"] == dtype]
+            systems = list(dict.fromkeys(r["system"] for r in cells))
+            rows_list = sorted({r["rows"] for r in cells})
+            at = {(r["system"], r["rows"]): r for r in cells}
+            print(
+                f"\nlinear layers, {dtype}, kernels built for -march={march}: GFLOP/s of a step's linears (ms)"
+            )
+            print(f"{'rows':>6} {'kernels path':>14} " + " ".join(f"{s:>22}" for s in systems))
+            for rows in rows_list:
+                flops = sum(linear_flops(rows).values())
+                line = []
+                for system in systems:
+                    r = at.get((system, rows))
+                    seconds = sum(r["seconds"].values()) if r else float("nan")
+                    line.append(f"{flops / seconds / 1e9:10.1f} ({seconds * 1e3:8.2f})")
+                path = at[("kernels", rows)]["path"] if ("kernels", rows) in at else ""
+                print(f"{rows:>6} {path:>14} " + " ".join(f"{c:>22}" for c in line))
+            print(f"{'':>6} {'GFLOP/s by shape':>14} " + " ".join(f"{s:>22}" for s in systems))
+            for name, *_ in LINEAR_SHAPES:
+                for rows in rows_list:
+                    flops = linear_flops(rows)[name]
+                    line = [
+                        f"{flops / at[(s, rows)]['seconds'][name] / 1e9:22.1f}"
+                        if (s, rows) in at
+                        else f"{'':>22}"
+                        for s in systems
+                    ]
+                    print(f"{rows:>6} {name:>14} " + " ".join(line))
+
+
+def linear_plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r["march"], r["dtype"]) for r in results))
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.5), squeeze=False)
+    for ax, (march, dtype) in zip(axes[0], groups, strict=True):
+        cells = [r for r in results if r["march"] == march and r["dtype"] == dtype]
+        for system in dict.fromkeys(r["system"] for r in cells):
+            points = sorted(
+                (r["rows"], sum(linear_flops(r["rows"]).values()) / sum(r["seconds"].values()) / 1e9)
+                for r in cells
+                if r["system"] == system
+            )
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=system)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("rows (M)")
+        ax.set_ylabel("GFLOP/s, a step's linears")
+        ax.set_title(f"{dtype}, -march={march}", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M's linear layers: the kernels against oneDNN")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def linear_main(args) -> None:
+    dtypes = (
+        [torch.bfloat16, torch.float32]
+        if args.linear_dtypes == "both"
+        else [getattr(torch, args.linear_dtypes)]
+    )
+    rows_list = [int(r) for r in args.rows.split(",")]
+    if args.worker:  # one build, in this process
+        print(json.dumps(run_linear(dtypes, rows_list, args.min_seconds)))
+        return
+    results = []
+    for march in args.march.split(","):
+        env = {**os.environ, "PAGEDSERVE_CPU_MARCH": march, **MARCH_LIBRARY_ISA.get(march, {})}
+        if march == "native":
+            env.pop("PAGEDSERVE_CPU_MARCH")
+        command = [
+            sys.executable,
+            __file__,
+            "--linear",
+            "--worker",
+            "--rows",
+            args.rows,
+            "--linear-dtypes",
+            args.linear_dtypes,
+            "--min-seconds",
+            str(args.min_seconds),
+        ]
+        if args.threads:
+            command += ["--threads", str(args.threads)]
+        print(
+            f"-march={march}: building and timing (PAGEDSERVE_CPU_MARCH, {MARCH_LIBRARY_ISA.get(march, {})})",
+            flush=True,
+        )
+        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True)
+        results += json.loads(done.stdout.strip().splitlines()[-1])
+    linear_tables(results)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "bench_kernels_cpu_linear.json").write_text(json.dumps(results, indent=1))
+    linear_plot(results, RESULTS / "bench_kernels_cpu_linear.png")
+    print(f"wrote {RESULTS / 'bench_kernels_cpu_linear.json'} and bench_kernels_cpu_linear.png")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--min-seconds", type=float, default=0.3, help="time spent per cell")
     parser.add_argument("--prefill", action="store_true", help="prompt chunks through the C++ kernels' paths")
+    parser.add_argument("--linear", action="store_true", help="the linear layers against oneDNN")
+    parser.add_argument(
+        "--march", default="native", help="--linear: the builds, comma-separated -march values"
+    )
+    parser.add_argument("--rows", default=",".join(map(str, LINEAR_ROWS)), help="--linear: row counts")
+    parser.add_argument("--linear-dtypes", default="both", choices=["both", "bfloat16", "float32"])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.linear:
+        linear_main(args)
+        return
     dtype = getattr(torch, args.dtype)
     if args.prefill:
         print(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import time
 from pathlib import Path
 from types import ModuleType
@@ -56,7 +57,11 @@ HEADER = SOURCE.with_suffix(".h")
 BINDINGS = SOURCE.with_name("cpu_bindings.cpp")
 # NOTE: no fused multiply-adds: x * c + y * s must round each product as PyTorch does (bitwise the same
 # RoPE); the kernels are bound by memory traffic, not by the extra add.
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+# The instruction set the extension is built for: this machine's own, unless the variable names an older
+# one this CPU also runs (haswell: AVX2; icelake-server: AVX-512 without BF16), so that one machine tests the
+# kernels of each (`make test-isa`). The build's name includes it.
+MARCH_ENV = "PAGEDSERVE_CPU_MARCH"
 # A sequence of several queries with at least this many query vectors per kv head (queries x the
 # group's query heads) takes the tiled kernel (AVX-512 builds with head sizes a multiple of 16, and AVX2
 # builds), whose tasks fill up to 48 lanes (32 on AVX2); fewer go through the row kernel. -1: the build's own threshold,
@@ -73,17 +78,26 @@ TILE_MIN_LANES = -1
 SDPA_MIN_PAIRS = 1_000_000
 
 
+def march() -> str:
+    """The -march of the build: PAGEDSERVE_CPU_MARCH's, by default native."""
+    return os.environ.get(MARCH_ENV, "").strip() or "native"
+
+
+def compile_flags() -> list[str]:
+    return [*CFLAGS, f"-march={march()}"]
+
+
 def build_name() -> str:
     """The extension's name: a short hash of this CPU's model and feature flags (Linux; else torch's CPU
-    capability), of the source and of the flags. Two checkouts or two CPUs sharing one extension cache
-    never load each other's build."""
+    capability), of the source and of the flags (the -march among them). Two checkouts or two CPUs sharing
+    one extension cache never load each other's build."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         cpu = "\n".join([line for line in lines if line.startswith(("flags", "model name"))][:2])
     except OSError:
         cpu = ""
     sources = [path.read_text() for path in (SOURCE, HEADER, BINDINGS)]
-    key = "\0".join([cpu or torch.backends.cpu.get_cpu_capability(), *sources, *CFLAGS])
+    key = "\0".join([cpu or torch.backends.cpu.get_cpu_capability(), *sources, *compile_flags()])
     return f"pagedserve_cpu_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
@@ -99,12 +113,15 @@ def load() -> ModuleType:
     name = build_name()
     started = time.monotonic()
     log.info(
-        "cpu_kernels_loading", name=name, note="compiled once per machine, about a minute the first time"
+        "cpu_kernels_loading",
+        name=name,
+        march=march(),
+        note="compiled once per machine, about a minute the first time",
     )
     module = cpp_extension.load(
         name=name,
         sources=[str(SOURCE), str(BINDINGS)],
-        extra_cflags=CFLAGS,
+        extra_cflags=compile_flags(),
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
