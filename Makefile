@@ -37,12 +37,12 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/clang-format --dry-run --Werror kernels/*.cpp kernels/*.h
+	$(BIN)/clang-format --dry-run --Werror kernels/cpu/*.cpp kernels/cpu/*.h
 
 format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
-	$(BIN)/clang-format -i kernels/*.cpp kernels/*.h
+	$(BIN)/clang-format -i kernels/cpu/*.cpp kernels/cpu/*.h
 
 # Regenerate the committed gRPC stubs after editing proto/*.proto.
 proto: install

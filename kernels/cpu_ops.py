@@ -50,11 +50,15 @@ __all__ = [
     "write_kv",
 ]
 
-# The kernels (every instruction set's branches; ATen's core headers only), their interface, and their
-# Python bindings (torch/extension.h), compiled as two translation units.
-SOURCE = Path(__file__).resolve().parent / "cpu_ops.cpp"
-HEADER = SOURCE.with_suffix(".h")
-BINDINGS = SOURCE.with_name("cpu_bindings.cpp")
+# The kernels' folder: a translation unit per topic (the bindings, torch/extension.h, one of them), their
+# headers, and nothing else; the build compiles every .cpp in it and is named after every file in it.
+SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
+
+
+def sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.cpp"))
+
+
 # NOTE: no fused multiply-adds: x * c + y * s must round each product as PyTorch does (bitwise the same
 # RoPE); the kernels are bound by memory traffic, not by the extra add.
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
@@ -96,8 +100,8 @@ def build_name() -> str:
         cpu = "\n".join([line for line in lines if line.startswith(("flags", "model name"))][:2])
     except OSError:
         cpu = ""
-    sources = [path.read_text() for path in (SOURCE, HEADER, BINDINGS)]
-    key = "\0".join([cpu or torch.backends.cpu.get_cpu_capability(), *sources, *compile_flags()])
+    files = [f"{path.name}\0{path.read_text()}" for path in sorted(SOURCE_DIR.iterdir()) if path.is_file()]
+    key = "\0".join([cpu or torch.backends.cpu.get_cpu_capability(), *files, *compile_flags()])
     return f"pagedserve_cpu_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
@@ -120,7 +124,7 @@ def load() -> ModuleType:
     )
     module = cpp_extension.load(
         name=name,
-        sources=[str(SOURCE), str(BINDINGS)],
+        sources=[str(path) for path in sources()],
         extra_cflags=compile_flags(),
         extra_ldflags=["-fopenmp"],
         verbose=False,

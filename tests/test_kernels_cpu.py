@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (kernels/cpu_ops.cpp): attention against the float64 oracle, the fused small ops
+"""The C++ CPU kernels (kernels/cpu/): attention against the float64 oracle, the fused small ops
 against the PyTorch reference formulas they replace, bad input refused with an error (never a crash),
 and a whole model in bf16 no less accurate through them than through the reference.
 
@@ -69,16 +69,38 @@ def amx_switch():
     kernels.set_amx_enabled(before)
 
 
-@pytest.mark.parametrize("source", ["SOURCE", "HEADER", "BINDINGS"])
-def test_the_build_is_named_after_the_sources(tmp_path, monkeypatch, source):
+@pytest.mark.parametrize("source", sorted(p.name for p in cpu_ops.SOURCE_DIR.iterdir() if p.is_file()))
+def test_the_build_is_named_after_every_source_file(tmp_path, monkeypatch, source):
     # Two checkouts sharing one extension cache must not load each other's build.
     name = cpu_ops.build_name()
     assert name.startswith("pagedserve_cpu_") and name == cpu_ops.build_name()
-    original = getattr(cpu_ops, source)
-    changed = tmp_path / original.name
-    changed.write_text(original.read_text() + "\n// changed\n")
-    monkeypatch.setattr(cpu_ops, source, changed)
+    copy = tmp_path / "cpu"
+    shutil.copytree(cpu_ops.SOURCE_DIR, copy)
+    monkeypatch.setattr(cpu_ops, "SOURCE_DIR", copy)
+    assert cpu_ops.build_name() == name
+    (copy / source).write_text((copy / source).read_text() + "\n// changed\n")
     assert cpu_ops.build_name() != name
+
+
+def test_the_build_is_named_after_its_instruction_set(monkeypatch):
+    # A build for another -march (PAGEDSERVE_CPU_MARCH) is another extension, never this machine's own.
+    monkeypatch.delenv(cpu_ops.MARCH_ENV, raising=False)
+    native = cpu_ops.build_name()
+    monkeypatch.setenv(cpu_ops.MARCH_ENV, "haswell")
+    assert cpu_ops.march() == "haswell" and "-march=haswell" in cpu_ops.compile_flags()
+    assert cpu_ops.build_name() != native
+
+
+def test_the_package_ships_every_kernel_source():
+    # `pip install .` must carry the folder the extension is built from.
+    import tomllib
+
+    pyproject = tomllib.loads((cpu_ops.SOURCE_DIR.parents[1] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["pagedserve.kernels"]
+    kernels = cpu_ops.SOURCE_DIR.parent
+    for path in cpu_ops.SOURCE_DIR.iterdir():
+        relative = path.relative_to(kernels)
+        assert any(relative.match(pattern) for pattern in patterns), relative
 
 
 # ---- attention ------------------------------------------------------------------------------------------
@@ -1017,43 +1039,41 @@ def test_bf16_model_through_the_kernels_is_as_accurate_as_through_the_reference(
 # ---- every instruction set's branch compiles ------------------------------------------------------------
 
 # The build targets the CPU it runs on (-march=native), so a machine compiles only its own branch of the
-# source's #if ladders. Each is compiled here whatever CPU runs the suite: the portable loops (no AVX2),
-# AVX2 with FMA, AVX-512 without BF16, AVX-512 BF16. The kernels' translation unit alone: the bindings
-# have no branches, and their torch/extension.h took two thirds of each compile (55 -> 12-17 s).
+# vector layer (vec.h) and of the kernels that one instruction set has alone. Each is compiled here whatever
+# CPU runs the suite: plain C++ (no AVX2), AVX2 with FMA, AVX-512 without BF16, AVX-512 BF16 with AMX. Every
+# kernel translation unit, but not the bindings: they have no branches, and their torch/extension.h would
+# take most of the time.
 MARCHES = ["x86-64-v2", "haswell", "icelake-server", "sapphirerapids"]
 
 
 @pytest.fixture(scope="module")
-def compiled_marches(tmp_path_factory) -> dict[str, subprocess.CompletedProcess[str]]:
+def compiled_marches(tmp_path_factory) -> dict[str, list[subprocess.CompletedProcess[str]]]:
+    from concurrent.futures import ThreadPoolExecutor
+
     from torch.utils import cpp_extension
 
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    flags = [f for f in cpu_ops.CFLAGS if f not in ("-O3", "-march=native")]
+    flags = [f for f in cpu_ops.CFLAGS if f != "-O3"]
     out = tmp_path_factory.mktemp("march")
+    units = [path for path in cpu_ops.sources() if path.name != "bindings.cpp"]
+
     # -O0 still inlines the intrinsics, so one outside its branch fails ("target specific option mismatch"),
     # in about half of -O3's time.
-    procs = {
-        march: subprocess.Popen(
-            ["g++", "-std=c++20", "-O0", f"-march={march}", *flags, "-DTORCH_EXTENSION_NAME=check"]
-            + [f"-I{p}" for p in includes]
-            + ["-c", str(cpu_ops.SOURCE), "-o", str(out / f"{march}.o")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for march in MARCHES
-    }
-    done = {}
-    for march, proc in procs.items():
-        stdout, stderr = proc.communicate()
-        done[march] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    return done
+    def compile_unit(march: str, unit: Path) -> subprocess.CompletedProcess[str]:
+        command = ["g++", "-std=c++20", "-O0", f"-march={march}", *flags, "-DTORCH_EXTENSION_NAME=check"]
+        command += [f"-I{p}" for p in includes] + ["-c", str(unit), "-o", str(out / f"{march}-{unit.stem}.o")]
+        return subprocess.run(command, capture_output=True, text=True)
+
+    jobs = [(march, unit) for march in MARCHES for unit in units]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        done = list(pool.map(lambda job: compile_unit(*job), jobs))
+    return {march: [d for (m, _), d in zip(jobs, done, strict=True) if m == march] for march in MARCHES}
 
 
 @pytest.mark.skipif(
     shutil.which("g++") is None or platform.machine() != "x86_64", reason="needs g++ on x86-64"
 )
 @pytest.mark.parametrize("march", MARCHES)
-def test_the_source_compiles_for_each_instruction_set(compiled_marches, march):
-    result = compiled_marches[march]
-    assert result.returncode == 0, result.stderr[-4000:]
+def test_every_kernel_unit_compiles_for_each_instruction_set(compiled_marches, march):
+    for result in compiled_marches[march]:
+        assert result.returncode == 0, (result.args[-3], result.stderr[-4000:])

@@ -11,7 +11,7 @@
 // Built once per machine by kernels/cpu_ops.py (torch.utils.cpp_extension, with -march=native), with the
 // Python bindings of kernels/cpu_bindings.cpp.
 
-#include "cpu_ops.h"
+#include "ops.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

@@ -3,7 +3,7 @@
 
 #include <torch/extension.h>
 
-#include "cpu_ops.h"
+#include "ops.h"
 
 namespace ps = pagedserve::cpu;
 
