@@ -39,6 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefetches_into_l2", &ps::prefetches_into_l2,
         "Whether the tiled attention and the bf16 linear's decode rows prefetch into L2 rather than L1 "
         "(on every CPU but an AMD Zen 5)");
+  m.def("instruction_set", &ps::instruction_set,
+        "The instruction set the kernels are built for: avx512-bf16-amx, avx512-bf16, avx512, avx2 or plain");
   m.def("has_amx", &ps::has_amx,
         "Whether the bf16 linear takes AMX tiles from 16 rows on (a build with AMX, and Linux's permission)");
   m.def(

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace pagedserve::cpu {
@@ -40,6 +41,9 @@ at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t si
 bool has_linear();
 bool has_linear_f32();
 bool prefetches_into_l2();
+// The instruction set this build's kernels are compiled for: "avx512-bf16-amx", "avx512-bf16", "avx512",
+// "avx2" or "plain".
+std::string instruction_set();
 bool has_amx();
 bool set_amx_enabled(bool enabled);
 
