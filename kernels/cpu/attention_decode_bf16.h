@@ -121,10 +121,8 @@ inline void group_scores_bf16_64(const c10::BFloat16* q, const c10::BFloat16* ro
   ahead.rest();
 }
 
-// group_scores_bf16_64 for any number of vectors (q_g 64 apart): three at a time, then the one or two left;
-// the first run brings the share of the next block (as group_scores on AVX2). 24 sequences of 300 positions
-// with the caches in L3 (SmolLM2's group of 3), alternating in one process: the decode attention 0.84x as
-// long as with one vector at a time; from memory 0.95-0.99x.
+// group_scores_bf16_64 for any number of vectors (q_g 64 apart): three at a time (each K row loaded once for
+// a group of three), then the one or two left; the first run brings the share of the next block.
 inline void group_scores_bf16_64(const c10::BFloat16* q, int64_t vectors, const c10::BFloat16* rows,
                                  int64_t stride, int64_t n, float scale, float* out, int64_t out_stride,
                                  const char* fetch, int64_t fetch_bytes) {
@@ -196,11 +194,8 @@ inline void accumulate_group_bf16_avx512(float* acc, const float* w, int64_t w_s
                                                     53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
                                                     27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
   const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
-  // NOTE: the `GCC unroll` pragmas keep the sums in registers. Without them GCC unrolled the loops too, but
-  // after it had given a[][] a place on the stack, and stored every sum there after every pair of rows
-  // (`perf annotate`: the stores held a third of the kernel's samples). One sequence of 2048 positions,
-  // caches in L2, 56.9 -> 46.4 us a layer; from memory 85.5 -> 81.7; decode steps, alternating step by
-  // step, one sequence at 2048 positions and 4 at 1024 0.97x as long, 16 at 512 0.985x.
+  // NOTE: the `GCC unroll` pragmas keep the sums in registers: without them GCC gives a[][] a place on the
+  // stack and stores every sum there after every pair of rows.
   __m512 a[kVectors][kChunks];
 #pragma GCC unroll 8
   for (int r = 0; r < kVectors; ++r)

@@ -120,9 +120,8 @@ class DecoderStackT final : public StackBase {
   }
 
   // forward over token ids: their embedding rows and the RoPE table rows of their positions (cos | sin, as
-  // model.RotaryEmbedding.lookup splits them) are gathered here. From Python these are two torch calls
-  // and their arguments, about 0.13 ms of a single sequence's decode step: cold, as the weights streamed
-  // through the caches since the last step.
+  // model.RotaryEmbedding.lookup splits them) are gathered here, where from Python they would be two more
+  // torch calls, cold after the weights streamed through the caches.
   at::Tensor forward_tokens(const at::Tensor& input_ids, const at::Tensor& positions,
                             const at::Tensor& embedding, const at::Tensor& rope_table,
                             const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
