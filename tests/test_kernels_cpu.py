@@ -665,18 +665,14 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
 @pytest.mark.parametrize(
     ("rows", "n", "k", "bias"), [(40, 200, 96, True), (100, 64, 1536, False), (100, 48, 96, True)]
 )
-def test_avx2_linear_gives_a_row_the_same_bits_in_any_pass_from_3_rows(rows, n, k, bias):
-    # Passes of 3, 4 and 6 rows widening the weights as they go (6: each half of a line in turn), and from
-    # 32 rows passes of 5 and 6 over a block widened once, run the same float32 FMAs in k order: in any of
-    # them a row's result is the same (below 32 rows passes of 6, then of up to 4: 10 rows are 6 + 4, 24
-    # four of 6; groups of 96 rows up to K = 768, of 48 past it, and what is left: 100 rows are 96 + 4 and
-    # 48 + 48 + 4). On AVX-512 without BF16 the passes of 4 to 8 rows run the same FMAs in zmm, over three
-    # blocks at once (fewer at the end where the count is not a multiple: n = 200 and 64), 3 rows as on
-    # AVX2 (10 rows are two passes of 5, 24 three of 8, 40 five of 8, 100 of K = 1536 six of 8 twice, then
-    # one of 4). A pass of 1 or 2 rows (alone, or the last of 7, 8, 11, 13, 14 ... rows below 32 on AVX2)
-    # runs interleaved sets of sums, another order. So that any other order shows, x holds +2^40 and -2^40
-    # against equal weights at k/3 and 2k/3: in k order the sum up to 2k/3 vanishes (absorbed, then
-    # cancelled) and only the terms after it are left.
+def test_widening_linear_gives_a_row_the_same_bits_in_any_pass(rows, n, k, bias):
+    # Without a bf16 dot product (AVX2, AVX-512 without BF16) every pass runs a row's float32 FMAs in k
+    # order: one row as four streams of blocks, two as two, more in balanced passes of up to 6 rows (8 over
+    # three blocks at once on AVX-512, fewer at the end where the count is not a multiple: n = 200 and 64),
+    # and from 32 rows in groups of 96 up to K = 768, of 48 past it, and what is left (100 rows are 96 + 4
+    # and 48 + 48 + 4), through a float32 copy of each block on AVX2. In any of them a row's result is the
+    # same. So that any other order shows, x holds +2^40 and -2^40 against equal weights at k/3 and 2k/3: in
+    # k order the sum up to 2k/3 vanishes (absorbed, then cancelled) and only the terms after it are left.
     gen = torch.Generator().manual_seed(rows + n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
@@ -686,7 +682,8 @@ def test_avx2_linear_gives_a_row_the_same_bits_in_any_pass_from_3_rows(rows, n, 
     kernels = cpu_ops.linear_kernels()
     packed = kernels.pack_linear_weight(weight)
     whole = kernels.linear(x, packed, n, b)
-    for start, size in [(0, 3), (3, 4), (7, 4), (1, 6), (5, 10), (13, 24), (4, 32), (rows - 3, 3)]:
+    parts = [(0, 3), (3, 4), (7, 4), (1, 6), (5, 10), (13, 24), (4, 32), (rows - 3, 3)]
+    for start, size in [*parts, (0, 1), (9, 1), (2, 2), (4, 8), (6, 13)]:
         part = kernels.linear(x[start : start + size], packed, n, b)
         assert torch.equal(part, whole[start : start + size]), (start, size)
 
@@ -857,8 +854,9 @@ def test_linear_silu_is_linear_then_silu_mul(rows, size, k, bias):
     # AVX-512 more than 8 rows: one pass over each block or several, and past 120 rows in groups of rows;
     # on AVX2 the rows through the float32 copy, from 32 in groups of 96 or, past K = 768, 48, with a
     # short last group as the two calls: 200 rows; with AMX, from 6 rows where K is a multiple of 32, the
-    # gate and up blocks as one step's two W tiles, 256 rows at a time: 300 rows), else the two calls: the
-    # same bits either way, from a strided view and with leading dimensions too.
+    # gate and up blocks as one step's two W tiles), else the two calls (and from 256 rows, where oneDNN
+    # computes the linear, always: 300 rows): the same bits either way, from a strided view and with leading
+    # dimensions too.
     gen = torch.Generator().manual_seed(rows * size + k)
     weight = torch.randn(2 * size, k, generator=gen).bfloat16()
     b = torch.randn(2 * size, generator=gen).bfloat16() if bias else None
@@ -875,12 +873,13 @@ def test_linear_silu_is_linear_then_silu_mul(rows, size, k, bias):
     not {"amx_bf16", "amx_tile"} <= _cpu_flags() or cpu_ops.march() != "native",
     reason="this CPU has no AMX, or the kernels are built for another instruction set",
 )
-def test_a_cpu_with_amx_gets_the_amx_kernels(amx_switch):
+def test_a_cpu_with_amx_gets_the_amx_kernels(amx_switch, onednn_rows):
     # Without them (a build that lost the tile instructions, a refused permission, a dispatch that no longer
     # reaches them) the linear and the tiled attention fall back to AVX-512 BF16 without a word, several
-    # times slower.
+    # times slower. (The linear's 256 rows stay with the kernels here, not oneDNN.)
     kernels = cpu_ops.load()
     assert kernels.has_amx()
+    onednn_rows(False, -1)
     # That the tiles run shows in their rare last-bit roundings, which AVX-512 does not make: over these
     # inputs 107 of the gate_up projection's 786,432 outputs, 96 of its SiLU product's 393,216 and 220 of a
     # 500-token prompt's 288,000 attention outputs differ between the two paths.
@@ -924,14 +923,17 @@ def test_a_cpu_with_amx_gets_the_amx_kernels(amx_switch):
 )
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_amx_linear_rounds_the_exact_product_once_as_avx512_does(amx_switch, rows, n, k, bias, threads):
+def test_amx_linear_rounds_the_exact_product_once_as_avx512_does(
+    amx_switch, onednn_rows, rows, n, k, bias, threads
+):
     # From 6 rows and K a multiple of 32 the linear multiplies tiles: x tiles of 16 rows (the last padded:
     # 6, 17, 31, 33, 300 and 513 rows), W tiles straight from the packed blocks, two blocks and two x tiles
     # a step (odd block counts a thread and odd tile counts leave single ones: 200 columns are 13 blocks,
-    # 33 and 100 columns 3 and 7), 256 rows at a time (300 and 513 rows: two and three). Within one bf16
+    # 33 and 100 columns 3 and 7), all rows at once (300 and 513 rows too). Within one bf16
     # step of the exact product, at least as close to it as PyTorch's linear, and AVX-512's bits but for
     # rare last-bit differences of the float32 sums (tdpbf16ps rounds inside a pair's products
-    # differently in some cases: about 1 output in 5,000 apart).
+    # differently in some cases: about 1 output in 5,000 apart). The rows that would go to oneDNN stay here.
+    onednn_rows(False, -1)
     gen = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
@@ -954,6 +956,41 @@ def test_amx_linear_rounds_the_exact_product_once_as_avx512_does(amx_switch, row
     magnitude = x.double().abs() @ weight.double().abs().T
     gap = (out.double() - avx512.double()).abs()
     assert (gap <= 2**-7 * exact.abs() + (k + 1) * 2.0**-24 * magnitude + 1e-30).all()
+
+
+@pytest.fixture
+def onednn_rows():
+    """set(f32, rows): the rows from which the linear of the dtype goes to oneDNN (-1 never); put back after."""
+    kernels = cpu_ops.load()
+    before = {f32: kernels.set_onednn_min_rows(f32, -1) for f32 in (False, True)}
+    for f32, rows in before.items():
+        kernels.set_onednn_min_rows(f32, rows)
+    yield kernels.set_onednn_min_rows
+    for f32, rows in before.items():
+        kernels.set_onednn_min_rows(f32, rows)
+
+
+@needs_linear
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 200, 96), (7, 33, 62), (40, 960, 576), (300, 100, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_through_onednn_is_torchs_linear_of_the_unpacked_weight(onednn_rows, rows, n, k, bias, dtype):
+    # Many rows go to oneDNN (at::linear) over the packed weight unpacked to [N, K]: the result is F.linear's of
+    # the weight itself, bit for bit, from a strided view too; and the MLP's linear_silu is then the linear
+    # then silu_mul.
+    kernels = cpu_ops.linear_kernels(dtype)
+    if kernels is None:
+        pytest.skip("no linear for the dtype in this build")
+    gen = torch.Generator().manual_seed(rows + n + k)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    x = torch.randn(rows, k + 3, generator=gen).to(dtype)[:, 1 : 1 + k]
+    packed = kernels.pack_linear_weight(weight)
+    onednn_rows(dtype == torch.float32, 1)
+    assert torch.equal(kernels.linear(x, packed, n, b), torch.nn.functional.linear(x, weight, b))
+    if dtype == torch.bfloat16 and n % 32 == 0:
+        expected = kernels.silu_mul(kernels.linear(x, packed, n, b))
+        assert torch.equal(kernels.linear_silu(x, packed, n // 2, b), expected)
 
 
 @needs_linear
@@ -1028,10 +1065,32 @@ def compiled_marches(tmp_path_factory) -> dict[str, list[subprocess.CompletedPro
     return {march: [d for (m, _), d in zip(jobs, done, strict=True) if m == march] for march in MARCHES}
 
 
-@pytest.mark.skipif(
+needs_gxx = pytest.mark.skipif(
     shutil.which("g++") is None or platform.machine() != "x86_64", reason="needs g++ on x86-64"
 )
+
+
+@needs_gxx
 @pytest.mark.parametrize("march", MARCHES)
 def test_every_kernel_unit_compiles_for_each_instruction_set(compiled_marches, march):
     for result in compiled_marches[march]:
         assert result.returncode == 0, (result.args[-3], result.stderr[-4000:])
+
+
+@needs_gxx
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm")
+@pytest.mark.parametrize("march", MARCHES)
+def test_every_kernel_function_a_unit_calls_is_defined_for_each_instruction_set(compiled_marches, march):
+    # A dispatch that calls an instruction set's kernel must find it defined (or a stub) in every build,
+    # else the extension fails to load there.
+    objects = [result.args[-1] for result in compiled_marches[march] if result.returncode == 0]
+    if len(objects) != len(compiled_marches[march]):
+        pytest.skip("a unit did not compile (see the test above)")
+
+    def symbols(*flags: str) -> set[str]:
+        listing = subprocess.run(["nm", *flags, *objects], capture_output=True, text=True, check=True).stdout
+        return {line.split()[-1] for line in listing.splitlines() if line.strip() and not line.endswith(":")}
+
+    ours = {name for name in symbols("--undefined-only") if name.startswith("_ZN10pagedserve")}
+    missing = ours - symbols("--defined-only")
+    assert not missing, sorted(missing)

@@ -75,6 +75,7 @@ void check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 void linear_to(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w, int64_t pairs,
                int64_t n, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
   if (m == 0) return;
+  if (use_onednn(m, false)) return linear_onednn(x, ldx, m, w, pairs, n, bias, y, ldy);
   if (use_amx(m, pairs)) return linear_amx(x, ldx, m, w, pairs, n, bias, y, ldy);
 #if defined(__AVX512BF16__)
   linear_bf16dot(x, ldx, m, w, pairs, n, bias, y, ldy);
@@ -88,7 +89,8 @@ void linear_to(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat
 void linear_f32_to(const float* x, int64_t ldx, int64_t m, const float* w, int64_t k, int64_t n,
                    const float* bias, float* y, int64_t ldy) {
   if (m == 0) return;
-#if defined(__AVX2__) && defined(__FMA__)
+  if (use_onednn(m, true)) return linear_f32_onednn(x, ldx, m, w, k, n, bias, y, ldy);
+#if defined(PAGEDSERVE_AVX512) || defined(PAGEDSERVE_AVX2)
   linear_f32(x, ldx, m, w, k, n, bias, y, ldy);
 #else
   TORCH_CHECK(false, "this build has no float32 linear: it needs AVX2 with FMA (see has_linear_f32)");
@@ -121,7 +123,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 }
 
 int64_t silu_fused_rows(int64_t m, int64_t k, int64_t size) {
-  if (size % kBlock != 0 || k % 2 != 0) return 0;
+  if (size % kBlock != 0 || k % 2 != 0 || use_onednn(m, false)) return 0;
   if (use_amx(m, k / 2)) return m;
 #if defined(__AVX512BF16__)
   return bf16dot_silu_rows(m);
@@ -175,7 +177,7 @@ bool has_linear() {
 }
 
 bool has_linear_f32() {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(PAGEDSERVE_AVX512) || defined(PAGEDSERVE_AVX2)
   return true;
 #else
   return false;

@@ -5,7 +5,8 @@
 //   linear_bf16_amx.cpp     bf16, AMX tiles, from a few rows on;
 //   linear_bf16_widen.cpp   bf16 without a bf16 dot product (AVX2, AVX-512 without BF16): the weights widened
 //                           to float32 as they stream, float32 FMAs;
-//   linear_f32.cpp          float32 models, float32 FMAs.
+//   linear_f32.cpp          float32 models, float32 FMAs;
+//   linear_onednn.cpp       many rows (prompts) of either dtype, through oneDNN's matmul where it is native.
 // Products are summed in float32 in k order (pairs of k at a time with vdpbf16ps and tdpbf16ps) and rounded
 // once to the output's dtype, the bias added before that rounding.
 //
@@ -75,6 +76,12 @@ void linear_widen(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFl
 int64_t widen_silu_rows(int64_t m, int64_t k);
 void linear_f32(const float* x, int64_t ldx, int64_t m, const float* w, int64_t k, int64_t n,
                 const float* bias, float* y, int64_t ldy);
+// Whether m rows of the dtype go to oneDNN (from set_onednn_min_rows's rows on).
+bool use_onednn(int64_t m, bool f32);
+void linear_onednn(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w, int64_t pairs,
+                   int64_t n, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy);
+void linear_f32_onednn(const float* x, int64_t ldx, int64_t m, const float* w, int64_t k, int64_t n,
+                       const float* bias, float* y, int64_t ldy);
 
 #if defined(PAGEDSERVE_AVX512)
 // The columns of block b that exist among n (the last block's may be fewer than 16).

@@ -18,28 +18,16 @@
 namespace pagedserve::cpu {
 namespace {
 
-// The packed weights are tiles already: a packed block's 16 consecutive K pairs (see the layout above) are
-// one W tile of 32 x 16, 16 lines of 64 bytes one after the other. So the AMX kernel reads the weights
-// pack_linear_weight made, with no second copy. Each thread takes its run of blocks two at a time, and for
-// each pair the rows of x 32 at a time: two x tiles and two W tiles into four tiles of sums. The sums are
-// float32, over K in order as block_kernel's (see linear_amx's note on the bits).
-//
 // AMX needs K a multiple of 32 (a whole tile of x per step; every SmolLM2, Llama and Qwen hidden and
-// intermediate size is one) and Linux's permission for the tile state, asked once per process
-// (amx_permitted); without either the linear takes the AVX-512 kernels above. The SmolLM2 shapes on a 2-core
-// Intel Xeon with AMX, weights in cache, GFLOP/s against the AVX-512 BF16 kernels (and oneDNN's bf16
-// linear): 16 rows 980-1370 against 160-190 (260-410), 256 rows 1890-2290 against 180-190 (1410-1940),
-// 2048 rows 1380-2150 against 150-190 (1660-2770).
+// intermediate size is one) and Linux's permission for the tile state, asked once per process; without
+// either the linear takes the AVX-512 BF16 kernels. Many rows go to oneDNN (linear_onednn.cpp) before they
+// reach it.
 
-// Rows from which linear_to and linear_silu_to take the AMX kernel. Below it the AVX-512 kernels stream the
-// weights better. Whole decode steps at 512 positions (bench_worker, AVX-512 -> AMX, two runs each): 2 and 4
-// sequences 11.1-13.6 -> 12.8-15.4 ms, 5 even, 6 17.1-17.7 -> 16.2-16.5, 8 20.5-22.7 -> 17.6-19.2, 16
-// 37.6-40.0 -> 23.4-25.3, 32 71.5-77.0 -> 36.7-39.1.
+// Rows from which linear_to and linear_silu_to take the AMX kernel: below it the AVX-512 BF16 kernels stream
+// the weights better.
 constexpr int64_t kAmxMinRows = 6;
 constexpr int64_t kAmxTileRows = 16;   // rows of an x tile and of a tile of sums
 constexpr int64_t kAmxTilePairs = 16;  // K pairs of a tile: 32 bf16, 64 bytes, a W tile's 16 lines
-// Rows of x a thread runs over all its blocks before the next: 256 x 1536 bf16 is 768 KB, in its L2.
-constexpr int64_t kAmxChunkRows = 256;
 
 }  // namespace
 
@@ -144,8 +132,8 @@ void amx_region(int threads, int64_t pairs, F&& body) {
 
 }  // namespace
 
-// linear_avx512 on AMX (see use_amx). Each thread takes a contiguous run of blocks, and for every chunk of
-// kAmxChunkRows rows walks its blocks two at a time over the chunk's x tiles, two at a time.
+// The bf16 linear on AMX (see use_amx). Each thread takes a contiguous run of blocks, and walks its blocks
+// two at a time over the x tiles, two at a time.
 // NOTE: bits. Both walk K in order, as block_kernel does where it keeps one chain a row (8 rows and more,
 // unroll()), but tdpbf16ps rounds inside a pair's two products differently in rare cases: about 1 output
 // in 5,000 differs from AVX-512's, by a bf16 step (more only where a sum cancels to near zero).
@@ -156,31 +144,30 @@ void linear_amx(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloa
   amx_region(threads, pairs, [&](int t, int nt, c10::BFloat16* pad) {
     alignas(64) float c[4 * kAmxTileRows * kBlock];
     const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
-    for (int64_t r0 = 0; r0 < m; r0 += kAmxChunkRows) {
-      const RowTiles tiles{x, ldx, r0, std::min(kAmxChunkRows, m - r0), pad, pairs};
-      tiles.fill_pad();
-      for (int64_t j = b0; j < b1; j += 2) {
-        const bool two_blocks = j + 1 < b1;
-        for (int64_t i = 0; i < tiles.count(); i += 2) {
-          const bool two = i + 1 < tiles.count();
-          const c10::BFloat16* wj = w + j * pairs * 2 * kBlock;
-          amx_step(tiles, i, two, wj, two_blocks ? wj + pairs * 2 * kBlock : nullptr, pairs, c);
-          for (int64_t rt = 0; rt < (two ? 2 : 1); ++rt)
-            for (int64_t bt = 0; bt < (two_blocks ? 2 : 1); ++bt) {
-              const int64_t b = j + bt, rows = tiles.rows_of(i + rt);
-              const __mmask16 cols = block_cols(n, b);
-              store_amx_tile(c + (rt * (two_blocks ? 2 : 1) + bt) * kAmxTileRows * kBlock,
-                             bias_block(bias, b, cols), rows, cols,
-                             y + (r0 + (i + rt) * kAmxTileRows) * ldy + b * kBlock, ldy);
-            }
-        }
+    const RowTiles tiles{x, ldx, 0, m, pad, pairs};
+    tiles.fill_pad();
+    for (int64_t j = b0; j < b1; j += 2) {
+      const bool two_blocks = j + 1 < b1;
+      for (int64_t i = 0; i < tiles.count(); i += 2) {
+        const bool two = i + 1 < tiles.count();
+        const c10::BFloat16* wj = w + j * pairs * 2 * kBlock;
+        amx_step(tiles, i, two, wj, two_blocks ? wj + pairs * 2 * kBlock : nullptr, pairs, c);
+        for (int64_t rt = 0; rt < (two ? 2 : 1); ++rt)
+          for (int64_t bt = 0; bt < (two_blocks ? 2 : 1); ++bt) {
+            const int64_t b = j + bt, rows = tiles.rows_of(i + rt);
+            const __mmask16 cols = block_cols(n, b);
+            store_amx_tile(c + (rt * (two_blocks ? 2 : 1) + bt) * kAmxTileRows * kBlock,
+                           bias_block(bias, b, cols), rows, cols,
+                           y + (i + rt) * kAmxTileRows * ldy + b * kBlock, ldy);
+          }
       }
     }
   });
 }
 
-// linear_silu_avx512 on AMX: gate block j and up block size / 16 + j as one step's two W tiles, so that the
-// sums of both lie side by side; each rounded to bf16 (as linear rounds) and multiplied by silu_mul16.
+// The MLP's gate_up and SiLU on AMX: gate block j and up block size / 16 + j as one step's two W tiles, so
+// that the sums of both lie side by side; each rounded to bf16 (as linear rounds) and multiplied by
+// silu_mul_block.
 void linear_silu_amx(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w, int64_t pairs,
                      int64_t size, const c10::BFloat16* bias, c10::BFloat16* out, int64_t ld_out) {
   const int64_t half = size / kBlock, block_elems = pairs * 2 * kBlock;
@@ -189,23 +176,21 @@ void linear_silu_amx(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::
     alignas(64) float c[4 * kAmxTileRows * kBlock];
     alignas(64) c10::BFloat16 gate[kAmxTileRows * kBlock], up[kAmxTileRows * kBlock];
     const int64_t j0 = half * t / nt, j1 = half * (t + 1) / nt;
-    for (int64_t r0 = 0; r0 < m; r0 += kAmxChunkRows) {
-      const RowTiles tiles{x, ldx, r0, std::min(kAmxChunkRows, m - r0), pad, pairs};
-      tiles.fill_pad();
-      for (int64_t j = j0; j < j1; ++j) {
-        const __m512 bias_gate = bias_block(bias, j, 0xFFFF), bias_up = bias_block(bias, half + j, 0xFFFF);
-        for (int64_t i = 0; i < tiles.count(); i += 2) {
-          const bool two = i + 1 < tiles.count();
-          amx_step(tiles, i, two, w + j * block_elems, w + (half + j) * block_elems, pairs, c);
-          for (int64_t rt = 0; rt < (two ? 2 : 1); ++rt) {
-            const int64_t rows = tiles.rows_of(i + rt);
-            const float* cg = c + 2 * rt * kAmxTileRows * kBlock;
-            store_amx_tile(cg, bias_gate, rows, 0xFFFF, gate, kBlock);
-            store_amx_tile(cg + kAmxTileRows * kBlock, bias_up, rows, 0xFFFF, up, kBlock);
-            c10::BFloat16* o = out + (r0 + (i + rt) * kAmxTileRows) * ld_out + j * kBlock;
-            for (int64_t r = 0; r < rows; ++r)
-              silu_mul_block(o + r * ld_out, gate + r * kBlock, up + r * kBlock);
-          }
+    const RowTiles tiles{x, ldx, 0, m, pad, pairs};
+    tiles.fill_pad();
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m512 bias_gate = bias_block(bias, j, 0xFFFF), bias_up = bias_block(bias, half + j, 0xFFFF);
+      for (int64_t i = 0; i < tiles.count(); i += 2) {
+        const bool two = i + 1 < tiles.count();
+        amx_step(tiles, i, two, w + j * block_elems, w + (half + j) * block_elems, pairs, c);
+        for (int64_t rt = 0; rt < (two ? 2 : 1); ++rt) {
+          const int64_t rows = tiles.rows_of(i + rt);
+          const float* cg = c + 2 * rt * kAmxTileRows * kBlock;
+          store_amx_tile(cg, bias_gate, rows, 0xFFFF, gate, kBlock);
+          store_amx_tile(cg + kAmxTileRows * kBlock, bias_up, rows, 0xFFFF, up, kBlock);
+          c10::BFloat16* o = out + (i + rt) * kAmxTileRows * ld_out + j * kBlock;
+          for (int64_t r = 0; r < rows; ++r)
+            silu_mul_block(o + r * ld_out, gate + r * kBlock, up + r * kBlock);
         }
       }
     }
@@ -217,7 +202,19 @@ void linear_silu_amx(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::
 #else
 
 namespace pagedserve::cpu {
+
 bool use_amx(int64_t, int64_t) { return false; }
+
+void linear_amx(const c10::BFloat16*, int64_t, int64_t, const c10::BFloat16*, int64_t, int64_t,
+                const c10::BFloat16*, c10::BFloat16*, int64_t) {
+  TORCH_CHECK(false, "this build has no AMX (see use_amx)");
+}
+
+void linear_silu_amx(const c10::BFloat16*, int64_t, int64_t, const c10::BFloat16*, int64_t, int64_t,
+                     const c10::BFloat16*, c10::BFloat16*, int64_t) {
+  TORCH_CHECK(false, "this build has no AMX (see use_amx)");
+}
+
 }  // namespace pagedserve::cpu
 
 #endif

@@ -28,13 +28,8 @@ constexpr int64_t kBlockPrefetchBytes = 8192;
 
 // acc + w . (the pair of x at p, broadcast to all 16 lanes): one vdpbf16ps, the pair its {1to16} memory
 // operand, so the load unit broadcasts it. NOTE: written in asm because GCC does not fold the broadcast
-// into vdpbf16ps: from _mm512_set1_epi32 it emits a vpbroadcastd of its own, which on this 2-core Zen 4
-// EPYC takes a vector pipe next to the dot products. Folded, in whole decode steps (context 300,
-// alternating builds): 12 rows 0.926 of the time, 16 rows 0.883, 28 rows 0.903, 32-64 rows 0.97-0.99;
-// single linears with the weights in cache: 9-31 rows 0.80-0.95, 48-1024 rows about 0.96. Folded, one
-// block at a time (see kMaxRows) is also as fast as the kernel over pairs of blocks that served 32 rows
-// and more before, whose one broadcast fed two products: whole decode steps of 32-96 rows took
-// 0.95-0.99 of the time without it.
+// into vdpbf16ps: from _mm512_set1_epi32 it emits a vpbroadcastd of its own, which takes a vector pipe
+// next to the dot products.
 using AliasedPair = int32_t __attribute__((may_alias));
 inline __m512 dot_pair(__m512 acc, __m512bh w, const c10::BFloat16* p) {
   asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const AliasedPair*>(p)));
@@ -93,11 +88,10 @@ constexpr auto make_table(std::integer_sequence<int, R...>) {
 }
 constexpr auto kKernels = make_table(std::make_integer_sequence<int, kMaxRows>{});
 
-// block_kernel for S blocks at once, `step` blocks apart in W and in y: S streams from memory.
-// A core reads faster from several sequential streams than from one (2 threads, plain read loop over
-// 512 MB: one stream a thread 32.7 GB/s, two 34.3, four 36.2, eight 35.7, six rounds each), which counts
-// where rows are few and the weights' stream sets the time. U sets of sums per block, as in block_kernel.
-// kL2: W prefetched into L2, a single row too (see reads_ahead_into_l2).
+// block_kernel for S blocks at once, `step` blocks apart in W and in y: S streams from memory. A core reads
+// faster from several sequential streams than from one, which counts where rows are few and the weights'
+// stream sets the time. U sets of sums per block, as in block_kernel. kL2: W prefetched into L2, a single
+// row too; else into L1, a single row not at all (see reads_ahead_into_l2).
 template <int S, int ROWS, int U, bool kL2>
 void block_kernel_streams(const c10::BFloat16* w, int64_t step, const c10::BFloat16* x, int64_t ldx,
                           int64_t pairs, const __m512* bias, c10::BFloat16* y, int64_t ldy,
@@ -146,9 +140,7 @@ void block_kernel_streams(const c10::BFloat16* w, int64_t step, const c10::BFloa
 using StreamsFn = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, int64_t,
                            const __m512*, c10::BFloat16*, int64_t, const __mmask16*);
 // Rows up to which a thread streams its blocks as four streams, and as two (block_kernel_streams); more
-// rows are bound by the dot products rather than by memory. Whole decode steps, alternating in one process:
-// two streams for 5-8 rows took 0.96-0.99 of the time of one (8 rows 0.956-0.968 in three runs), for 10
-// and 12 rows 0.97-1.05.
+// rows are bound by the dot products rather than by memory.
 constexpr int kFourStreamRows = 4;
 constexpr int kTwoStreamRows = 8;
 // About eight independent chains of sums per step, as unroll() for block_kernel.
@@ -166,12 +158,9 @@ constexpr std::array kStreams2 = {
     make_streams_table<2, true>(std::make_integer_sequence<int, kTwoStreamRows>{})};
 
 // m rows are computed in chunks of at most kMaxRows rows, as even as possible, and the chunks in groups of
-// kGroupChunks: a thread runs all its blocks over one group's rows, then the next group's. So a prompt's x
-// is read from L2 (a group's rows of the SmolLM2 MLP's down: 120 x 3 KB) instead of from L3 once per block.
-// Single calls with hot weights, 1930 rows, against all chunks per block: gate_up with SiLU 404 -> 416
-// GFLOP/s, down 431 -> 441, qkv 425 -> 438; 128 and 512 rows 0.98-1.01 of the time. Whole prompt steps of
-// 1930 and 2048 tokens took 0.960 and 0.959 of the time (groups of 2 and 8 chunks: 0.948, 0.955). Decode
-// batches up to 120 rows are one group: the loops of before. A row's chunk, and so its bits, stay the same.
+// kGroupChunks: a thread runs all its blocks over one group's rows, then the next group's, so that a
+// prompt's x is read from L2 (a group's rows of the SmolLM2 MLP's down: 120 x 3 KB) instead of from L3 once
+// per block. A row's chunk, and so its bits, do not depend on the grouping.
 constexpr int64_t kGroupChunks = 4;
 
 // Calls f(c0, c1) for the groups of chunks c0 .. c1 - 1 of m rows.
@@ -201,12 +190,8 @@ void linear_bf16dot(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::B
   const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), blocks));
   // Up to kTwoStreamRows rows, the threads share the blocks out as runs (see BlockRuns), each run read as
   // four streams side by side (up to four rows; two up to eight), block i of each stream together; then
-  // the blocks the streams leave over, one at a time. Against a fixed half a thread (four streams, then
-  // two, then single blocks), the 30 layers' linears and the LM head from memory, one row, alternating in
-  // one process (2-core Zen 4): gate_up, down and the head 0.95x as long, qkv and o even; four rows
-  // 0.97-1.0x; whole single-sequence decode steps 0.98-0.99x. More rows: each thread its contiguous
-  // run of blocks, a sequential stream of W (even where the blocks divide evenly, as every SmolLM2 shape's
-  // on two threads).
+  // the blocks the streams leave over, one at a time. More rows: each thread its contiguous run of blocks,
+  // a sequential stream of W.
   const int64_t streams = m <= kFourStreamRows ? 4 : 2;
   BlockRuns runs(blocks, threads, streams);
 #pragma omp parallel num_threads(threads)
@@ -250,10 +235,7 @@ void linear_bf16dot(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::B
 // block j for a group's rows (see kGroupChunks) into a thread's strip, then up block size / kBlock + j, whose
 // rows are multiplied with the strip's as they come out; only the product is written, out [m, size]. The same
 // roundings as linear then silu_mul, without writing and reading back the [m, 2 * size] product, and without
-// a parallel region of its own. The SmolLM2 MLP's gate_up (576 -> 2 x 1536), alternating with linear then
-// silu_mul, hot weights: 9-64 rows 0.92-0.99 of the time, 2048 rows 0.89. Whole steps, alternating builds:
-// prompt steps of 2048 tokens (8 x 256) and 2060 (7 prompts of 60-500) 0.978 and 0.960; decode at context
-// 300-400, 12-64 sequences 0.95-0.99 (two runs at 51 sequences read 1.02, a third 0.982).
+// a parallel region of its own.
 void linear_silu_bf16dot(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w,
                          int64_t pairs, int64_t size, const c10::BFloat16* bias, c10::BFloat16* out,
                          int64_t ld_out) {

@@ -126,6 +126,11 @@ inline void istore(int32_t* p, IVec v) { _mm512_storeu_si512(p, v); }
 inline IVec iadd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
 inline Mask igt(IVec a, IVec b) { return _mm512_cmpgt_epi32_mask(a, b); }
 inline IVec iselect(Mask m, IVec t, IVec f) { return _mm512_mask_mov_epi32(f, m, t); }
+// The bf16 value in the low (even) or high (odd) half of each 32-bit lane, as float32 (exactly).
+inline Vec even_bf16(IVec pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+inline Vec odd_bf16(IVec pairs) {
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
 
 // exp of each lane (see kExpPoly). Always inlined: its callers keep many registers live, all caller-saved.
 __attribute__((always_inline)) inline Vec exp(Vec in) {
@@ -274,6 +279,10 @@ inline void istore(int32_t* p, IVec v) { _mm256_storeu_si256(reinterpret_cast<__
 inline IVec iadd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
 inline Mask igt(IVec a, IVec b) { return _mm256_castsi256_ps(_mm256_cmpgt_epi32(a, b)); }
 inline IVec iselect(Mask m, IVec t, IVec f) { return _mm256_blendv_epi8(f, t, _mm256_castps_si256(m)); }
+inline Vec even_bf16(IVec pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline Vec odd_bf16(IVec pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
 
 // exp of each lane (see kExpPoly); 2^k is built in the exponent bits (k is -126 .. 127 after the clamp).
 __attribute__((always_inline)) inline Vec exp(Vec in) {
@@ -367,6 +376,18 @@ inline void istore(int32_t* p, IVec v) { *p = v; }
 inline IVec iadd(IVec a, IVec b) { return a + b; }
 inline Mask igt(IVec a, IVec b) { return a > b; }
 inline IVec iselect(Mask m, IVec t, IVec f) { return m ? t : f; }
+inline Vec even_bf16(IVec pairs) {
+  const uint32_t bits = static_cast<uint32_t>(pairs) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+inline Vec odd_bf16(IVec pairs) {
+  const uint32_t bits = static_cast<uint32_t>(pairs) & 0xFFFF0000u;
+  float x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
 
 inline Vec exp(Vec in) {
   const float v = std::min(std::max(in, kExpMin), kExpMax);
