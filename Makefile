@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels gpu-check clean
+.PHONY: install serve test test-fast test-isa lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels gpu-check clean
 
 install: $(STAMP)
 
@@ -33,6 +33,17 @@ test: install
 # The suite without the tests that load the default model or start processes.
 test-fast: install
 	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+
+# The kernel tests against the kernels built for each instruction set this CPU also runs (by default AVX2,
+# AVX-512 without BF16 and its own; PAGEDSERVE_CPU_MARCH): the bodies the instruction sets share must pass
+# on each. Not part of `make test`: every build takes minutes.
+ISA_MARCHES ?= haswell icelake-server native
+ISA_TESTS ?= tests/test_kernels_cpu.py tests/test_model.py tests/test_worker_parity.py tests/test_worker_runner.py
+test-isa: install
+	@for march in $(ISA_MARCHES); do \
+		echo "== kernels built with -march=$$march"; \
+		PAGEDSERVE_CPU_MARCH=$$march $(BIN)/pytest -q $(ISA_TESTS) $(PYTEST_ARGS) || exit 1; \
+	done
 
 lint: install
 	$(BIN)/ruff check .

@@ -5,7 +5,9 @@ are a random permutation of the pool, as after some hours of serving.
 
 Default: the reference paged decode attention; one table of milliseconds per call (best and median of
 the repeats: on a shared machine the best is the steadier number) for each batch size x context length,
-and the K/V bandwidth of the best.
+and the K/V bandwidth of the best. --kernels: the C++ kernels' decode attention instead, over blocks
+scattered through the pool and over blocks in pool order: the kernels prefetch each sequence's next block
+through its block table, which is what keeps the scattered reads near the ordered ones.
 
 --prefill: prompt chunks through the C++ kernels (kernels/cpu_ops.py), each of its three paths forced in
 turn (the row kernel, the tiled kernel, dense SDPA): milliseconds per call (best of the repeats) for
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,23 +45,28 @@ import torch
 from pagedserve.kernels import cpu_ops, reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# --linear's worker for -march=native-no-amx: the kernels keep off AMX.
+NO_AMX = False
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 BATCHES = (1, 4, 16, 64)
 CONTEXTS = (256, 512, 1024, 2048)
 
 
-def time_decode(batch: int, ctx: int, dtype: torch.dtype, min_seconds: float) -> tuple[float, float]:
-    """(best, median) milliseconds per call."""
+def time_decode(
+    batch: int, ctx: int, dtype: torch.dtype, min_seconds: float, ops=reference, scattered: bool = True
+) -> tuple[float, float]:
+    """(best, median) milliseconds per call; the cache is laid out head-major, as the worker's pool is."""
     blocks_per_seq = -(-ctx // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq + 1
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).to(dtype)
+    k_cache = torch.randn(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM).to(dtype).transpose(1, 2)
     v_cache = torch.randn_like(k_cache)
-    block_tables = torch.randperm(num_blocks)[: batch * blocks_per_seq].view(batch, -1).int()
+    order = torch.randperm(num_blocks) if scattered else torch.arange(num_blocks)
+    block_tables = order[: batch * blocks_per_seq].view(batch, -1).int()
     context_lens = torch.full((batch,), ctx, dtype=torch.int32)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM).to(dtype)
     args = (query, k_cache, v_cache, block_tables, context_lens, HEAD_DIM**-0.5)
-    times = time_calls(lambda: reference.paged_decode_attention(*args), min_seconds)
+    times = time_calls(lambda: ops.paged_decode_attention(*args), min_seconds)
     return min(times) * 1e3, statistics.median(times) * 1e3
 
 
@@ -158,6 +166,8 @@ MARCH_LIBRARY_ISA = {
         "MKL_ENABLE_INSTRUCTIONS": "AVX2",
         "ATEN_CPU_CAPABILITY": "avx2",
     },
+    # This CPU's own build with neither the kernels nor oneDNN on AMX: AVX-512 BF16 alone, as on an AMD Zen 4.
+    "native-no-amx": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
 }
 
 
@@ -167,7 +177,39 @@ class LinearSystem:
     prepare: Callable[[torch.Tensor, int], object]  # (weight [N, K], rows) -> what call takes
     call: Callable[[torch.Tensor, object, int], torch.Tensor]  # (x, prepared, N) -> y
     amx: bool = True  # the kernels' set_amx_enabled while it runs
+    onednn: bool = True  # whether the kernels hand many rows to oneDNN (set_onednn_min_rows), as shipped
     by_rows: bool = False  # prepared for each row count
+
+
+def onednn_min_rows(kernels, f32: bool) -> int:
+    """Rows from which the kernels' linear of the dtype goes to oneDNN (-1: never, or a build without it)."""
+    if not hasattr(kernels, "set_onednn_min_rows"):
+        return -1
+    rows = kernels.set_onednn_min_rows(f32, -1)
+    kernels.set_onednn_min_rows(f32, rows)
+    return rows
+
+
+@contextmanager
+def kernels_set_to(system):
+    """The kernels' AMX and oneDNN switches as the system wants them, put back after."""
+    kernels = cpu_ops.linear_kernels(torch.bfloat16) or cpu_ops.linear_kernels(torch.float32)
+    if kernels is None:
+        yield
+        return
+    amx = kernels.set_amx_enabled(system.amx and not NO_AMX)
+    rows = [onednn_min_rows(kernels, f32) for f32 in (False, True)]
+    if not system.onednn:
+        for f32 in (False, True):
+            if rows[f32] >= 0:
+                kernels.set_onednn_min_rows(f32, -1)
+    try:
+        yield
+    finally:
+        kernels.set_amx_enabled(amx)
+        for f32 in (False, True):
+            if rows[f32] >= 0:
+                kernels.set_onednn_min_rows(f32, rows[f32])
 
 
 def linear_systems(dtype: torch.dtype) -> list[LinearSystem]:
@@ -181,13 +223,14 @@ def linear_systems(dtype: torch.dtype) -> list[LinearSystem]:
         def ours(x, packed, n):
             return kernels.linear(x, packed, n, None)
 
-        systems.append(LinearSystem("kernels", lambda w, rows: kernels.pack_linear_weight(w), ours))
-        if dtype == torch.bfloat16 and kernels.has_amx():
-            systems.append(
-                LinearSystem(
-                    "kernels, no AMX", lambda w, rows: kernels.pack_linear_weight(w), ours, amx=False
-                )
-            )
+        def pack(w, rows):
+            return kernels.pack_linear_weight(w)
+
+        systems.append(LinearSystem("kernels", pack, ours))
+        if onednn_min_rows(kernels, dtype == torch.float32) >= 0:
+            systems.append(LinearSystem("kernels' own", pack, ours, onednn=False))
+        if dtype == torch.bfloat16 and kernels.has_amx() and not NO_AMX:
+            systems.append(LinearSystem("kernels' own, no AMX", pack, ours, amx=False, onednn=False))
     systems.append(
         LinearSystem("F.linear", lambda w, rows: w, lambda x, w, n: torch.nn.functional.linear(x, w))
     )
@@ -214,7 +257,7 @@ def time_linears(
     system: LinearSystem, weights: dict[str, list], dtype: torch.dtype, rows: int, min_seconds: float
 ) -> dict[str, float]:
     """Seconds a step's calls of each shape take (LINEAR_SHAPES' calls, each with its own copy of the
-    weights, in a step's order, so that they come from wherever a step finds them): the median of passes
+    weights, in a step's order, so that they come from wherever a step finds them): the fastest of the passes
     over all of them, after one that warms up."""
     copies = linear_copies(rows)
     gen = torch.Generator().manual_seed(rows)
@@ -225,9 +268,7 @@ def time_linears(
         for name, n, k, _ in LINEAR_SHAPES
         if i < copies[name]
     ]
-    kernels = cpu_ops.linear_kernels(torch.bfloat16)
-    amx_before = kernels.set_amx_enabled(system.amx) if kernels is not None else None
-    try:
+    with kernels_set_to(system):
         passes: list[dict[str, float]] = []
         start = time.perf_counter()
         while len(passes) < 4 or (time.perf_counter() - start < min_seconds and len(passes) < 50):
@@ -237,12 +278,9 @@ def time_linears(
                 system.call(xs[k], weights[name][i], n)
                 spent[name] += time.perf_counter() - t
             passes.append(spent)
-    finally:
-        if kernels is not None:
-            kernels.set_amx_enabled(amx_before)
+    # The fastest pass: on a shared machine the one least disturbed by the other processes.
     return {
-        name: statistics.median(p[name] for p in passes[1:]) * calls / copies[name]
-        for name, _, _, calls in LINEAR_SHAPES
+        name: min(p[name] for p in passes[1:]) * calls / copies[name] for name, _, _, calls in LINEAR_SHAPES
     }
 
 
@@ -250,20 +288,27 @@ def linear_path(system: LinearSystem, dtype: torch.dtype, rows: int) -> str:
     """The kernels' linear that serves `rows` rows in this build (SmolLM2's K are multiples of 32)."""
     if not system.name.startswith("kernels"):
         return ""
+    kernels = cpu_ops.load()
+    onednn = onednn_min_rows(kernels, dtype == torch.float32)
+    if system.onednn and 0 <= onednn <= rows:
+        return "oneDNN"
     if dtype == torch.float32:
         return "f32 fma"
-    kernels = cpu_ops.load()
-    if system.amx and kernels.has_amx() and rows >= 6:
+    if system.amx and not NO_AMX and kernels.has_amx() and rows >= 6:
         return "amx"
     if cpu_ops.march() == "native" and "avx512_bf16" in Path("/proc/cpuinfo").read_text():
         return "avx512-bf16"
     return "avx512-widen" if cpu_ops.march() == "icelake-server" and rows >= 4 else "avx2-widen"
 
 
-def run_linear(dtypes: list[torch.dtype], rows_list: list[int], min_seconds: float) -> list[dict]:
-    """Every system's times for every dtype and row count in this process's build."""
+def run_linear(
+    dtypes: list[torch.dtype], rows_list: list[int], min_seconds: float, rounds: int = 2
+) -> list[dict]:
+    """Every system's times for every dtype and row count in this process's build: the systems one after the
+    other at each row count, `rounds` times over, each cell its fastest (the speed of a shared machine
+    drifts: so the systems of a row count meet the same minutes)."""
     results = []
-    march = cpu_ops.march()
+    march = "native-no-amx" if NO_AMX else cpu_ops.march()
     most = linear_copies(min(rows_list))
     for dtype in dtypes:
         gen = torch.Generator().manual_seed(0)
@@ -271,13 +316,31 @@ def run_linear(dtypes: list[torch.dtype], rows_list: list[int], min_seconds: flo
             name: [(torch.randn(n, k, generator=gen) * k**-0.5).to(dtype) for _ in range(most[name])]
             for name, n, k, _ in LINEAR_SHAPES
         }
-        for system in linear_systems(dtype):
-            weights = None
+        systems = linear_systems(dtype)
+        fixed = {  # systems that pack alike share the copies
+            s.prepare: {name: [s.prepare(w, 1) for w in ws] for name, ws in plain.items()}
+            for s in systems
+            if not s.by_rows
+        }
+        best: dict[tuple[str, int], dict[str, float]] = {}
+        for _ in range(rounds):
             for rows in rows_list:
-                if weights is None or system.by_rows:
-                    weights = None  # the last row count's copies go first
-                    weights = {name: [system.prepare(w, rows) for w in ws] for name, ws in plain.items()}
-                spent = time_linears(system, weights, dtype, rows, min_seconds)
+                for system in systems:
+                    weights = fixed.get(system.prepare)
+                    if weights is None:  # prepared for the row count, and let go after
+                        weights = {name: [system.prepare(w, rows) for w in ws] for name, ws in plain.items()}
+                    spent = time_linears(system, weights, dtype, rows, min_seconds)
+                    cell = best.setdefault((system.name, rows), spent)
+                    for name, seconds in spent.items():
+                        cell[name] = min(cell[name], seconds)
+                    print(
+                        f"  {march:>15} {str(dtype).removeprefix('torch.'):>9} {system.name:>22} {rows:>5} rows: "
+                        f"{sum(spent.values()) * 1e3:9.2f} ms",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        for system in systems:
+            for rows in rows_list:
                 results.append(
                     {
                         "march": march,
@@ -285,15 +348,8 @@ def run_linear(dtypes: list[torch.dtype], rows_list: list[int], min_seconds: flo
                         "system": system.name,
                         "path": linear_path(system, dtype, rows),
                         "rows": rows,
-                        "seconds": spent,
+                        "seconds": best[(system.name, rows)],
                     }
-                )
-                total = sum(spent.values())
-                print(
-                    f"  {march:>15} {results[-1]['dtype']:>9} {system.name:>17} {rows:>5} rows: "
-                    f"{total * 1e3:9.2f} ms",
-                    file=sys.stderr,
-                    flush=True,
                 )
     return results
 
@@ -373,12 +429,14 @@ def linear_main(args) -> None:
     )
     rows_list = [int(r) for r in args.rows.split(",")]
     if args.worker:  # one build, in this process
-        print(json.dumps(run_linear(dtypes, rows_list, args.min_seconds)))
+        global NO_AMX
+        NO_AMX = args.no_amx
+        print(json.dumps(run_linear(dtypes, rows_list, args.min_seconds, args.rounds)))
         return
     results = []
     for march in args.march.split(","):
         env = {**os.environ, "PAGEDSERVE_CPU_MARCH": march, **MARCH_LIBRARY_ISA.get(march, {})}
-        if march == "native":
+        if march.startswith("native"):
             env.pop("PAGEDSERVE_CPU_MARCH")
         command = [
             sys.executable,
@@ -391,9 +449,13 @@ def linear_main(args) -> None:
             args.linear_dtypes,
             "--min-seconds",
             str(args.min_seconds),
+            "--rounds",
+            str(args.rounds),
         ]
         if args.threads:
             command += ["--threads", str(args.threads)]
+        if march == "native-no-amx":
+            command.append("--no-amx")
         print(
             f"-march={march}: building and timing (PAGEDSERVE_CPU_MARCH, {MARCH_LIBRARY_ISA.get(march, {})})",
             flush=True,
@@ -415,11 +477,21 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="prompt chunks through the C++ kernels' paths")
     parser.add_argument("--linear", action="store_true", help="the linear layers against oneDNN")
     parser.add_argument(
-        "--march", default="native", help="--linear: the builds, comma-separated -march values"
+        "--kernels", action="store_true", help="decode: the C++ kernels, blocks scattered and in order"
+    )
+    parser.add_argument(
+        "--march",
+        default="native",
+        help="--linear: the builds, comma-separated -march values (native-no-amx: native with neither the "
+        "kernels nor oneDNN on AMX)",
     )
     parser.add_argument("--rows", default=",".join(map(str, LINEAR_ROWS)), help="--linear: row counts")
     parser.add_argument("--linear-dtypes", default="both", choices=["both", "bfloat16", "float32"])
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="--linear: rounds over every cell, the fastest kept"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-amx", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -434,19 +506,23 @@ def main() -> None:
         )
         prefill_table(dtype, args.min_seconds)
         return
+    ops = cpu_ops if args.kernels else reference
     print(
-        f"paged_decode_attention (reference), {args.dtype}, Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} "
-        f"D={HEAD_DIM} block={BLOCK_SIZE}, torch threads={torch.get_num_threads()}"
+        f"paged_decode_attention ({'C++ kernels' if args.kernels else 'reference'}), {args.dtype}, "
+        f"Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} block={BLOCK_SIZE}, "
+        f"torch threads={torch.get_num_threads()}"
     )
     print("ms per call: best / median   [K/V GB/s read at best]")
-    print(f"{'batch':>6} " + " ".join(f"{f'ctx {c}':>28}" for c in CONTEXTS))
-    for batch in BATCHES:
-        cells = []
-        for ctx in CONTEXTS:
-            best, median = time_decode(batch, ctx, dtype, args.min_seconds)
-            kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
-            cells.append(f"{best:8.3f} / {median:8.3f} [{kv_bytes / best / 1e6:5.1f}]")
-        print(f"{batch:>6} " + " ".join(f"{c:>28}" for c in cells), flush=True)
+    for scattered in (True, False) if args.kernels else (True,):
+        print(f"blocks {'scattered through the pool' if scattered else 'in pool order'}")
+        print(f"{'batch':>6} " + " ".join(f"{f'ctx {c}':>28}" for c in CONTEXTS))
+        for batch in BATCHES:
+            cells = []
+            for ctx in CONTEXTS:
+                best, median = time_decode(batch, ctx, dtype, args.min_seconds, ops, scattered)
+                kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
+                cells.append(f"{best:8.3f} / {median:8.3f} [{kv_bytes / best / 1e6:5.1f}]")
+            print(f"{batch:>6} " + " ".join(f"{c:>28}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

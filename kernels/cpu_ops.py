@@ -1,10 +1,11 @@
-"""CPU implementation of the kernel ops: kernels/cpu_ops.cpp, built for this machine on first use.
+"""CPU implementation of the kernel ops: the C++ kernels of kernels/cpu/, built for this machine on first use.
 
-The extension is compiled with torch.utils.cpp_extension (g++ and ninja, about a minute) with -march=native,
-once per machine and source version, into torch's extension cache (TORCH_EXTENSIONS_DIR, by default
-~/.cache/torch_extensions; `make install` builds it ahead of time). The build is named after this CPU's
-feature flags and the source (`build_name`), so a cache shared with another CPU or another checkout
-never loads code built for a different instruction set or source.
+The extension is compiled with torch.utils.cpp_extension (g++ and ninja, about a minute) with -march=native
+(or PAGEDSERVE_CPU_MARCH's -march), once per machine and source version, into torch's extension cache
+(TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions; `make install` builds it ahead of time). The
+build is named after this CPU's feature flags, every file of kernels/cpu/ and the flags (`build_name`), so a
+cache shared with another CPU or another checkout never loads code built for a different instruction set or
+source.
 
 What it replaces, and why: in stock PyTorch, attention gathers every sequence's K/V into dense tensors
 and widens them to float32 before two small batched matmuls, and each decoder layer runs about ninety
@@ -68,13 +69,9 @@ CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 MARCH_ENV = "PAGEDSERVE_CPU_MARCH"
 # A sequence of several queries with at least this many query vectors per kv head (queries x the
 # group's query heads) takes the tiled kernel (AVX-512 builds with head sizes a multiple of 16, and AVX2
-# builds), whose tasks fill up to 48 lanes (32 on AVX2); fewer go through the row kernel. -1: the build's own threshold,
-# 16 on AVX-512 and 32 on AVX2 (kTileMinLanes in cpu_ops.cpp, with the AVX2 numbers). Measured on a
-# 2-core AVX-512 machine, bf16, SmolLM2 shapes (9 query heads of 64 over 3 kv heads), per layer, row
-# kernel / tiled / SDPA in ms: 2 queries after 298 cached 0.026 / 0.038; 4: 0.033 / 0.039; 8: 0.055 /
-# 0.041; 26 after 672: 0.42 / 0.20 / 0.88; whole prompts of 275 tokens 0.83 / 0.48 / 1.9, 500: 2.6 /
-# 1.3 / 6.3, 1000: 11.4 / 4.7 / 13.0, 2000: 39.8 / 18.1 / 41.8 (`bench/bench_kernels_cpu.py --prefill
-# --dtype bfloat16`).
+# builds), whose tasks fill up to 48 lanes (32 on AVX2); fewer go through the row kernel. -1: the build's own
+# threshold, 16 on AVX-512 and 32 on AVX2 (kTileMinLanes in kernels/cpu/attention.h), where the tiled kernel
+# starts to beat the row kernel (`bench/bench_kernels_cpu.py --prefill`, docs/performance.md).
 TILE_MIN_LANES = -1
 # Where the tiled kernel cannot run, a sequence of several queries with more query-key pairs than this
 # goes through dense SDPA (reference.prefill_sequence) instead of the row kernel: very long prompts,
@@ -186,9 +183,7 @@ def copy_blocks(
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    # One pass instead of PyTorch's two (silu, then the product), rounding where they round. SmolLM2's
-    # MLP, bf16, 2 threads, against reference.silu_mul: 1 row 3.0 / 9.8 us, 24 rows 13 / 30 us, 2048
-    # rows 1.08 / 1.96 ms.
+    # One pass instead of PyTorch's two (silu, then the product), rounding where they round.
     return load().silu_mul(gate_up)
 
 
@@ -231,9 +226,9 @@ _ARGMAX_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    # torch.argmax reads about 1.3 GB/s on CPU (48 rows of a 49k vocabulary in float32: 1.8 ms, the
-    # sampling of a greedy decode step); this one pass with AVX-512 or AVX2 compares is bound by memory.
-    # bf16 rows are compared as they widen (exactly), so the sampler need not widen argmax-only logits.
+    # torch.argmax's loop on CPU is far from memory's rate; this one pass of vector compares is bound by
+    # memory. bf16 rows are compared as they widen (exactly), so the sampler need not widen argmax-only
+    # logits.
     if x.dim() == 2 and x.dtype in _ARGMAX_DTYPES and x.stride(-1) == 1 and x.shape[1] > 0:
         return load().argmax_rows(x)
     return reference.argmax(x)
@@ -262,9 +257,8 @@ def decoder_stack(**shape: object) -> object:
     query vectors per kv head takes the tiled kernel, so this matters only on AVX-512 for head sizes
     that are not a multiple of 16, or for more than 32 query heads per kv head, whose long prompts then
     go through the row kernel: slower there, not wrong. The released models of every supported family
-    use head sizes of 64 or 128. On AVX2 the row kernel was as fast as SDPA up to 1000 tokens and 1.08x
-    as slow at 2000, and the tiled kernel is faster than both (one layer of SmolLM2 in bf16, 2 threads,
-    a 2-core Zen 3: 2000 tokens 56.0 ms for the row kernel against 44.4 tiled)."""
+    use head sizes of 64 or 128. On AVX2 the tiled kernel runs every head size, and is faster than the row
+    kernel and SDPA on long prompts (docs/performance.md)."""
     return load().DecoderStack(min_tile_lanes=TILE_MIN_LANES, **shape)
 
 

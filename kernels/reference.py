@@ -247,7 +247,7 @@ def copy_blocks(
                     cache[b] = cache[a]
 
 
-# ---- the decoder's small ops, fused on CPU by kernels/cpu_ops.cpp ---------------------------------------
+# ---- the decoder's small ops, fused on CPU by kernels/cpu/pointwise.cpp ---------------------------------
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -189,26 +189,13 @@ class PackedLinear(nn.Module):
     layout for this CPU.
 
     NOTE: bf16 F.linear on CPU runs oneDNN but reorders (or reads strided) the plain [out, in] weight on
-    every call. Prepacked for oneDNN, single-token decode streams the weights about 1.7x faster (one
-    2-core AVX-512 BF16 EPYC, 1 thread, the default model's 30 layers from DRAM: 25.2 -> 14.8 ms) with
-    bit-identical results. The kernels' linear (kernels/cpu_ops.cpp) streams them faster still at few
-    rows, and with the model's DecoderStack it is at least as fast at every batch size. Per call, weights
-    from DRAM, 2 threads, oneDNN / ours in ms: SmolLM2's gate_up [3072 x 576] at 1 row 0.193 / 0.116, 16
-    rows 0.234 / 0.187. Whole steps, alternating step by step, the stack and ours against the Python loop
-    and oneDNN: decode at context 300, 48 rows 74.5 -> 58.9 ms, 192 rows 223 -> 206 ms, 256 rows 290 ->
-    271 ms; prompts of 200 tokens 123 -> 114 ms, of 2000 tokens 1234 -> 1218 ms. So one copy serves all:
-    keeping oneDNN's too for large batches cost the weights' memory twice and bought nothing (64 requests
-    of the mixed workload: 332.8 and 344.1 output tokens/s with both copies, 339.1 and 344.1 with one).
-
-    float32 weights go to the kernels' float32 linear where the CPU has AVX2 with FMA (kernels/cpu_ops.cpp,
-    linear_f32_avx2), else to oneDNN prepacked: F.linear runs MKL's sgemm, which on an AMD CPU streams the
-    weights at 4-8 GB/s (the LM head [49152 x 576] at 2 rows: 30 ms against 15 ms prepacked). Default
-    model, `bench/bench_worker.py --dtype float32 --context 128`, 2-core Zen 3, two runs each, F.linear /
-    oneDNN prepacked, ms a step: 1 row 96.6 and 84.1 / 69.2 and 77.3, 2 rows 169 and 162 / 108 and 125, 8
-    rows 173 and 147 / 116 and 145, 32 rows 256 and 265 / 175 and 209. The kernels' float32 linear against
-    oneDNN prepacked, the 30 layers' linears and the LM head (weights from memory, 2 threads, ms): 1 row
-    23.1 / 40.3, 2 rows 24.9 / 69.3, 8 rows 31.9 / 82.7, 16 rows 39.0 / 102.2, 48 rows 83.5 / 171.0; the
-    30 layers' alone over 2048 prompt rows about even (3224 and 3624 / 3329 and 3514)."""
+    every call; prepacked for oneDNN, decode streams the weights about 1.7x faster, with bit-identical
+    results. The kernels' linear (kernels/cpu/linear*.cpp) streams them faster still at few rows, and hands
+    many rows (prompts) to oneDNN itself, over the weight unpacked for the call, where oneDNN's bf16 matmul
+    is native: so one copy of each weight serves every batch size. float32 weights go to the kernels'
+    float32 linear where the CPU has AVX2 with FMA, else to oneDNN prepacked: F.linear runs MKL's sgemm,
+    which on an AMD CPU streams the weights at a fraction of the memory's rate. The measurements are in
+    docs/performance.md (`bench/bench_kernels_cpu.py --linear`)."""
 
     def __init__(
         self,
