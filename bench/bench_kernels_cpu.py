@@ -183,11 +183,7 @@ class LinearSystem:
 
 def onednn_min_rows(kernels, f32: bool) -> int:
     """Rows from which the kernels' linear of the dtype goes to oneDNN (-1: never, or a build without it)."""
-    if not hasattr(kernels, "set_onednn_min_rows"):
-        return -1
-    rows = kernels.set_onednn_min_rows(f32, -1)
-    kernels.set_onednn_min_rows(f32, rows)
-    return rows
+    return kernels.onednn_min_rows(f32) if hasattr(kernels, "onednn_min_rows") else -1
 
 
 @contextmanager
@@ -198,18 +194,15 @@ def kernels_set_to(system):
         yield
         return
     amx = kernels.set_amx_enabled(system.amx and not NO_AMX)
-    rows = [onednn_min_rows(kernels, f32) for f32 in (False, True)]
-    if not system.onednn:
-        for f32 in (False, True):
-            if rows[f32] >= 0:
-                kernels.set_onednn_min_rows(f32, -1)
+    settings = None
+    if not system.onednn and hasattr(kernels, "set_onednn_min_rows"):
+        settings = {f32: kernels.set_onednn_min_rows(f32, -1) for f32 in (False, True)}
     try:
         yield
     finally:
         kernels.set_amx_enabled(amx)
-        for f32 in (False, True):
-            if rows[f32] >= 0:
-                kernels.set_onednn_min_rows(f32, rows[f32])
+        for f32, rows in (settings or {}).items():
+            kernels.set_onednn_min_rows(f32, rows)
 
 
 def linear_systems(dtype: torch.dtype) -> list[LinearSystem]:

@@ -962,9 +962,7 @@ def test_amx_linear_rounds_the_exact_product_once_as_avx512_does(
 def onednn_rows():
     """set(f32, rows): the rows from which the linear of the dtype goes to oneDNN (-1 never); put back after."""
     kernels = cpu_ops.load()
-    before = {f32: kernels.set_onednn_min_rows(f32, -1) for f32 in (False, True)}
-    for f32, rows in before.items():
-        kernels.set_onednn_min_rows(f32, rows)
+    before = {f32: kernels.set_onednn_min_rows(f32, -2) for f32 in (False, True)}
     yield kernels.set_onednn_min_rows
     for f32, rows in before.items():
         kernels.set_onednn_min_rows(f32, rows)

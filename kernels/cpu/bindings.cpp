@@ -47,9 +47,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "set_amx_enabled", &ps::set_amx_enabled, py::arg("enabled"),
       "Lets the bf16 linear take AMX or keeps it on AVX-512 (for benchmarks and tests); returns the setting "
       "before");
-  m.def("set_onednn_min_rows", &ps::set_onednn_min_rows, py::arg("f32"), py::arg("rows"),
-        "Rows from which the linear of bf16 (float32 where f32) hands the product to oneDNN, -1 never (for "
-        "benchmarks and tests); returns the setting before");
+  m.def("onednn_min_rows", &ps::onednn_min_rows, py::arg("f32"),
+        "Rows from which the linear of bf16 (float32 where f32) hands the product to oneDNN, -1 never");
+  m.def(
+      "set_onednn_min_rows", &ps::set_onednn_min_rows, py::arg("f32"), py::arg("rows"),
+      "Sets onednn_min_rows (-1 never, -2 the build's choice: for benchmarks and tests); returns the setting "
+      "before");
   py::class_<ps::DecoderStack>(m, "DecoderStack", "A decoder's layers run in one call (see model.CausalLM)")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>(),
            py::arg("hidden"), py::arg("intermediate"), py::arg("num_heads"), py::arg("num_kv_heads"),

@@ -76,7 +76,9 @@ void linear_widen(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFl
 int64_t widen_silu_rows(int64_t m, int64_t k);
 void linear_f32(const float* x, int64_t ldx, int64_t m, const float* w, int64_t k, int64_t n,
                 const float* bias, float* y, int64_t ldy);
-// Whether m rows of the dtype go to oneDNN (from set_onednn_min_rows's rows on).
+// The sentinel of set_onednn_min_rows that restores the build's choice.
+constexpr int64_t kOneDnnDefault = -2;
+// Whether m rows of the dtype go to oneDNN (from onednn_min_rows on).
 bool use_onednn(int64_t m, bool f32);
 void linear_onednn(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w, int64_t pairs,
                    int64_t n, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy);

@@ -46,7 +46,9 @@ bool prefetches_into_l2();
 std::string instruction_set();
 bool has_amx();
 bool set_amx_enabled(bool enabled);
-// Rows from which the linear of bf16 (f32: float32) goes to oneDNN (-1: never); returns the setting before.
+// Rows from which the linear of bf16 (f32: float32) goes to oneDNN, -1 never; and its setting (-1 never, -2
+// the build's choice), which returns the setting before.
+int64_t onednn_min_rows(bool f32);
 int64_t set_onednn_min_rows(bool f32, int64_t rows);
 
 // A decoder's layers run in one call (see the kernels' DecoderStack).
