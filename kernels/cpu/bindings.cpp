@@ -1,5 +1,4 @@
-// Python bindings of the CPU kernels (kernels/cpu_ops.cpp, interface in cpu_ops.h), compiled with them by
-// kernels/cpu_ops.py.
+// Python bindings of the CPU kernels (interface in ops.h), compiled with them by kernels/cpu_ops.py.
 
 #include <torch/extension.h>
 

@@ -6,7 +6,7 @@
 //   linear_bf16_widen.cpp   bf16 without a bf16 dot product (AVX2, AVX-512 without BF16): the weights widened
 //                           to float32 as they stream, float32 FMAs;
 //   linear_f32.cpp          float32 models, float32 FMAs;
-//   linear_onednn.cpp       many rows (prompts) of either dtype, through oneDNN's matmul where it is native.
+//   linear_onednn.cpp       many rows (prompts), through oneDNN's matmul where it clearly wins.
 // Products are summed in float32 in k order (pairs of k at a time with vdpbf16ps and tdpbf16ps) and rounded
 // once to the output's dtype, the bias added before that rounding.
 //

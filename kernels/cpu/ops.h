@@ -1,8 +1,9 @@
-// The CPU kernels' interface (kernels/cpu_ops.cpp), which kernels/cpu_bindings.cpp binds for Python.
+// The CPU kernels' interface: what bindings.cpp binds for Python (kernels/cpu_ops.py), each defined in the
+// file of its topic. Every op's contract (shapes, layouts, dtypes) is kernels/reference.py's.
 //
-// NOTE: the kernels include ATen's core headers only, and the bindings torch/extension.h (pybind11 and
-// all of torch's Python API, about two thirds of a compile of the kernels at -O0): the test suite
-// compiles the kernels for every instruction set without it (tests/test_kernels_cpu.py).
+// NOTE: the kernels include ATen's headers only, and the bindings torch/extension.h (pybind11 and all of
+// torch's Python API, most of a compile at -O0): the test suite compiles the kernels for every instruction
+// set without them (tests/test_kernels_cpu.py).
 
 #pragma once
 
