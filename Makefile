@@ -11,7 +11,7 @@ NODE_STAMP := $(NODE_EXAMPLE)/node_modules/.installed
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels bench-soak gpu-check clean
+.PHONY: install serve test test-fast test-isa lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels bench-soak gpu-check clean
 
 install: $(STAMP) $(NODE_STAMP)
 
@@ -49,15 +49,26 @@ test: install
 test-fast: install
 	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
 
+# The kernel tests against the kernels built for each instruction set this CPU also runs (by default AVX2,
+# AVX-512 without BF16 and its own; PAGEDSERVE_CPU_MARCH): the bodies the instruction sets share must pass
+# on each. Not part of `make test`: every build takes minutes.
+ISA_MARCHES ?= haswell icelake-server native
+ISA_TESTS ?= tests/test_kernels_cpu.py tests/test_model.py tests/test_worker_parity.py tests/test_worker_runner.py
+test-isa: install
+	@for march in $(ISA_MARCHES); do \
+		echo "== kernels built with -march=$$march"; \
+		PAGEDSERVE_CPU_MARCH=$$march $(BIN)/pytest -q $(ISA_TESTS) $(PYTEST_ARGS) || exit 1; \
+	done
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/clang-format --dry-run --Werror kernels/*.cpp kernels/*.h worker_svc/csrc/*.cpp
+	$(BIN)/clang-format --dry-run --Werror kernels/cpu/*.cpp kernels/cpu/*.h worker_svc/csrc/*.cpp
 
 format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
-	$(BIN)/clang-format -i kernels/*.cpp kernels/*.h worker_svc/csrc/*.cpp
+	$(BIN)/clang-format -i kernels/cpu/*.cpp kernels/cpu/*.h worker_svc/csrc/*.cpp
 
 # Regenerate the committed gRPC stubs after editing proto/pagedserve/v1/*.proto.
 proto: install

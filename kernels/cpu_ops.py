@@ -1,18 +1,19 @@
-"""CPU implementation of the kernel ops: kernels/cpu_ops.cpp, built for this machine on first use.
+"""CPU implementation of the kernel ops: the C++ kernels of kernels/cpu/, built for this machine on first use.
 
-The extension is compiled with torch.utils.cpp_extension (g++ and ninja, about a minute) with -march=native,
-once per machine and source version, into torch's extension cache (TORCH_EXTENSIONS_DIR, by default
-~/.cache/torch_extensions; `make install` builds it ahead of time). The build is named after this CPU's
-feature flags and the source (`build_name`), so a cache shared with another CPU or another checkout
-never loads code built for a different instruction set or source.
+The extension is compiled with torch.utils.cpp_extension (g++ and ninja, about a minute) with -march=native
+(or PAGEDSERVE_CPU_MARCH's -march), once per machine and source version, into torch's extension cache
+(TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions; `make install` builds it ahead of time). The
+build is named after this CPU's feature flags, every file of kernels/cpu/, the flags and the folder
+(`build_name`), so a cache shared with another CPU or another checkout never loads code built for a
+different instruction set or source.
 
 What it replaces, and why: in stock PyTorch, attention gathers every sequence's K/V into dense tensors
 and widens them to float32 before two small batched matmuls, and each decoder layer runs about ninety
 small ops (RMSNorm alone is five). Here attention reads the paged cache in place (decode rows one by
 one; prompt chunks as tiled products, on AVX-512 with the bf16 dot-product instruction), and RMSNorm
 with its residual add, RoPE with the KV write, and SiLU with its product, are one pass each. On AVX-512
-BF16 it also has a linear layer, at least as fast as oneDNN at every batch size (model.PackedLinear),
-and on AVX2 with FMA one that widens the bf16 weights as it streams them; with either, DecoderStack runs
+BF16 it also has a linear layer (model.PackedLinear; steps of many rows go to oneDNN's matmul where
+oneDNN has the same instructions), and on AVX2 with FMA one that widens the bf16 weights as it streams them; with either, DecoderStack runs
 all decoder layers of a step in one call. Float32 models get a linear layer of their own (AVX2 with FMA),
 faster than oneDNN's at every batch size on the CPUs measured, and their DecoderStack too. Where the tiled
 path cannot run, long prompts in the model's Python layer loop take dense SDPA (reference.prefill_sequence),
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import time
 from pathlib import Path
 from types import ModuleType
@@ -39,18 +41,26 @@ from pagedserve.kernels.reference import ReferenceOps, prefill_sequence
 
 __all__ = ["CpuLinear", "CpuOps", "load"]
 
-# The kernels (every instruction set's branches; ATen's core headers only), their interface, and their
-# Python bindings (torch/extension.h), compiled as two translation units.
-SOURCE = Path(__file__).resolve().parent / "cpu_ops.cpp"
-HEADER = SOURCE.with_suffix(".h")
-BINDINGS = SOURCE.with_name("cpu_bindings.cpp")
+# The kernels' folder: a translation unit per topic (the bindings, torch/extension.h, one of them), their
+# headers, and nothing else; the build compiles every .cpp in it and is named after every file in it.
+SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
+
+
+def sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.cpp"))
+
+
 # NOTE: no fused multiply-adds: x * c + y * s must round each product as PyTorch does (bitwise the same
 # RoPE); the kernels are bound by memory traffic, not by the extra add.
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+# The instruction set the extension is built for: this machine's own, unless the variable names an older
+# one this CPU also runs (haswell: AVX2; icelake-server: AVX-512 without BF16), so that one machine tests the
+# kernels of each (`make test-isa`). The build's name includes it.
+MARCH_ENV = "PAGEDSERVE_CPU_MARCH"
 # A sequence of several queries with at least this many query vectors per kv head (queries x the
 # group's query heads) takes the tiled kernel (AVX-512 builds with head sizes a multiple of 16, and AVX2
 # builds), whose tasks fill up to 48 lanes (32 on AVX2); fewer go through the row kernel, which is faster
-# for them. -1: the build's own threshold, 16 on AVX-512 and 32 on AVX2 (kTileMinLanes in cpu_ops.cpp;
+# for them. -1: the build's own threshold, 16 on AVX-512 and 32 on AVX2 (kTileMinLanes in kernels/cpu/attention.h;
 # the measurements are in docs/performance.md, "Measurements behind the code").
 TILE_MIN_LANES = -1
 # Where the tiled kernel cannot run, a sequence of several queries with more query-key pairs than this
@@ -59,9 +69,18 @@ TILE_MIN_LANES = -1
 SDPA_MIN_PAIRS = 1_000_000
 
 
+def march() -> str:
+    """The -march of the build: PAGEDSERVE_CPU_MARCH's, by default native."""
+    return os.environ.get(MARCH_ENV, "").strip() or "native"
+
+
+def compile_flags() -> list[str]:
+    return [*CFLAGS, f"-march={march()}"]
+
+
 def build_name() -> str:
     """The extension's name: a short hash of this CPU's model and feature flags (Linux; else torch's CPU
-    capability), of the source, of the flags and of the source's folder. Two checkouts or two CPUs sharing
+    capability), of every file of kernels/cpu/, of the flags (the -march among them) and of the folder. Two checkouts or two CPUs sharing
     one extension cache never load each other's build (nor rebuild it: the build's ninja file names the
     source paths, so two checkouts under one name would rebuild it each time the other loaded it)."""
     try:
@@ -69,8 +88,10 @@ def build_name() -> str:
         cpu = "\n".join([line for line in lines if line.startswith(("flags", "model name"))][:2])
     except OSError:
         cpu = ""
-    sources = [path.read_text() for path in (SOURCE, HEADER, BINDINGS)]
-    key = "\0".join([cpu or torch.backends.cpu.get_cpu_capability(), *sources, *CFLAGS, str(SOURCE.parent)])
+    files = [f"{path.name}\0{path.read_text()}" for path in sorted(SOURCE_DIR.iterdir()) if path.is_file()]
+    key = "\0".join(
+        [cpu or torch.backends.cpu.get_cpu_capability(), *files, *compile_flags(), str(SOURCE_DIR)]
+    )
     return f"pagedserve_cpu_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
@@ -86,12 +107,15 @@ def load() -> ModuleType:
     name = build_name()
     started = time.monotonic()
     log.info(
-        "cpu_kernels_loading", name=name, note="compiled once per machine, about a minute the first time"
+        "cpu_kernels_loading",
+        name=name,
+        march=march(),
+        note="compiled once per machine, about a minute the first time",
     )
     module = cpp_extension.load(
         name=name,
-        sources=[str(SOURCE), str(BINDINGS)],
-        extra_cflags=CFLAGS,
+        sources=[str(path) for path in sources()],
+        extra_cflags=compile_flags(),
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (kernels/cpu_ops.cpp): attention against the float64 oracle, the fused small ops
+"""The C++ CPU kernels (kernels/cpu/): attention against the float64 oracle, the fused small ops
 against the PyTorch reference formulas they replace, bad input refused with an error (never a crash),
 and a whole model in bf16 no less accurate through them than through the reference.
 
@@ -7,12 +7,12 @@ The extension is built on first use (g++ and ninja); the module is skipped where
 
 from __future__ import annotations
 
+import copy
 import os
 import platform
 import shutil
 import subprocess
 import sysconfig
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ import torch
 from test_kernels_reference import (
     COPY_CASES,
     DECODE_PARAMS,
+    GARBAGE_BLOCK,
     LAYOUTS,
     PREFILL_PARAMS,
     Case,
@@ -37,7 +38,7 @@ from pagedserve.kernels.cpu_ops import CpuOps
 from pagedserve.kernels.ops import linear_for
 from pagedserve.kernels.reference import ReferenceOps
 from pagedserve.launcher import python_command
-from pagedserve.worker_svc.loader import cpu_has_native_bf16, load_model
+from pagedserve.worker_svc.loader import load_model
 
 
 def _built() -> bool:
@@ -80,100 +81,41 @@ def amx_switch():
     kernels.set_amx_enabled(before)
 
 
-@pytest.mark.parametrize("source", ["SOURCE", "HEADER", "BINDINGS"])
-def test_the_build_is_named_after_the_sources(tmp_path, monkeypatch, source):
+@pytest.mark.parametrize("source", sorted(p.name for p in cpu_ops.SOURCE_DIR.iterdir() if p.is_file()))
+def test_the_build_is_named_after_every_source_file(tmp_path, monkeypatch, source):
     # Two checkouts sharing one extension cache must not load each other's build.
     name = cpu_ops.build_name()
     assert name.startswith("pagedserve_cpu_") and name == cpu_ops.build_name()
-    original = getattr(cpu_ops, source)
-    changed = tmp_path / original.name
-    changed.write_text(original.read_text() + "\n// changed\n")
-    monkeypatch.setattr(cpu_ops, source, changed)
+    copy = tmp_path / "cpu"
+    shutil.copytree(cpu_ops.SOURCE_DIR, copy)
+    monkeypatch.setattr(cpu_ops, "SOURCE_DIR", copy)
+    assert cpu_ops.build_name() == name
+    (copy / source).write_text((copy / source).read_text() + "\n// changed\n")
     assert cpu_ops.build_name() != name
 
 
+def test_the_build_is_named_after_its_instruction_set(monkeypatch):
+    # A build for another -march (PAGEDSERVE_CPU_MARCH) is another extension, never this machine's own.
+    monkeypatch.delenv(cpu_ops.MARCH_ENV, raising=False)
+    native = cpu_ops.build_name()
+    monkeypatch.setenv(cpu_ops.MARCH_ENV, "haswell")
+    assert cpu_ops.march() == "haswell" and "-march=haswell" in cpu_ops.compile_flags()
+    assert cpu_ops.build_name() != native
+
+
+def test_the_package_ships_every_kernel_source():
+    # `pip install .` must carry the folder the extension is built from.
+    import tomllib
+
+    pyproject = tomllib.loads((cpu_ops.SOURCE_DIR.parents[1] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["pagedserve.kernels"]
+    kernels = cpu_ops.SOURCE_DIR.parent
+    for path in cpu_ops.SOURCE_DIR.iterdir():
+        relative = path.relative_to(kernels)
+        assert any(relative.match(pattern) for pattern in patterns), relative
+
+
 # ---- attention ------------------------------------------------------------------------------------------
-
-
-needs_objdump = pytest.mark.skipif(
-    shutil.which("objdump") is None or platform.machine() != "x86_64",
-    reason="reads the x86-64 build with objdump",
-)
-
-
-def _instructions_by_function(library: str) -> dict[str, list[str]]:
-    """The instructions of each function of a shared library, by demangled name (objdump)."""
-    listing = subprocess.run(
-        ["objdump", "-d", "-C", "--no-show-raw-insn", library], capture_output=True, text=True, check=True
-    ).stdout
-    functions: dict[str, list[str]] = {}
-    name = ""
-    for line in listing.splitlines():
-        if line.endswith(">:") and " <" in line:
-            name = line.split(" <", 1)[1][:-2]
-            functions[name] = []
-        elif "\t" in line and name:
-            functions[name].append(line.split("\t")[-1])
-    return functions
-
-
-def _prefetches_by_function(library: str) -> dict[str, Counter]:
-    """The prefetch instructions in each function of a shared library, by demangled name and mnemonic."""
-    return {
-        name: Counter(i.split()[0] for i in instructions if i.startswith("prefetch"))
-        for name, instructions in _instructions_by_function(library).items()
-    }
-
-
-@needs_objdump
-def test_the_attention_kernels_keep_their_prefetches():
-    # The next block of a sequence lies anywhere in the pool, so its prefetch is what keeps a kernel from
-    # waiting on memory block after block; a helper that only prefetches looks free of side effects to the
-    # compiler, which once deleted its calls and left the tiled kernel without any.
-    counts = _prefetches_by_function(cpu_ops.load().__file__)
-
-    def prefetches(kernel: str) -> Counter:
-        # The kernel with its lambdas and the instantiations made for it (for_tile_tasks<T, ...>).
-        return sum((c for name, c in counts.items() if kernel in name), Counter())
-
-    for kernel in ("paged_attention_impl<float>", "paged_attention_impl<c10::BFloat16>"):
-        assert prefetches(kernel)["prefetcht0"] > 0, kernel
-    if cpu_ops.load().has_linear():  # AVX2 with FMA, or AVX-512: the builds with a tiled kernel
-        # A decode row's next block, shared out over the rows of the kernels that read it in place, goes
-        # into L2 (FetchShare): the bf16 decode path with its kernels, on AVX-512 BF16 or on AVX2.
-        decode = (
-            "paged_attention_impl<c10::BFloat16>",
-            "group_scores_bf16_64",
-            "block_scores_bf16_avx512",
-            "accumulate_group_bf16_avx512",
-            "group_scores_avx2",
-            "group_values_avx2",
-        )
-        shares = sum((prefetches(kernel) for kernel in decode), Counter())
-        assert shares["prefetcht1"] > 0, shares
-        for kernel in ("tiled_attention_impl<float>", "tiled_attention_impl<c10::BFloat16>"):
-            found = prefetches(kernel)
-            # prefetch_tile_block: the next block's K and V rows; prefetch_tile: the next task's query rows
-            # (read) and output rows (written).
-            assert found["prefetcht0"] >= 3 and found["prefetchw"] >= 1, (kernel, found)
-
-
-@needs_objdump
-def test_the_decode_values_kernel_keeps_its_sums_in_registers():
-    # GCC once gave accumulate_group_bf16_avx512's sums a place on the stack and stored all of them after
-    # every pair of V rows: a third of the kernel's time (see the NOTE there).
-    kernels = {
-        name: instructions
-        for name, instructions in _instructions_by_function(cpu_ops.load().__file__).items()
-        if "accumulate_group_bf16_avx512<" in name
-    }
-    if not kernels:
-        pytest.skip("no AVX-512 BF16 in this build")
-    for name, instructions in kernels.items():
-        spills = [
-            i for i in instructions if i.startswith("vmov") and "%zmm" in i.split(",")[0] and "(%rsp)" in i
-        ]
-        assert not spills, (name, spills[:4])
 
 
 def _amd_cpu_family() -> int | None:
@@ -187,29 +129,68 @@ def _amd_cpu_family() -> int | None:
     return int(next(line for line in info.splitlines() if line.startswith("cpu family")).split(":")[1])
 
 
-@needs_objdump
 def test_reads_ahead_go_into_l2_but_on_a_zen_5():
-    # On a Zen 4 the L1's misses in flight are the limit: the tiled attention's next block prefetched into
-    # L1 left a cached request's attention 1.2-1.4x as long as into L2, and the linear's decode streams
-    # (1 to 8 rows) decode steps of 2-8 sequences 1.07-1.25x as long; a Zen 5 did better with L1 (and a
-    # single row with no prefetch).
-    module = cpu_ops.load()
-    assert module.prefetches_into_l2() == (_amd_cpu_family() != 26)
-    counts = _prefetches_by_function(module.__file__)
-    tiled = sum((c for name, c in counts.items() if "tiled_attention_impl<" in name), Counter())
-    if module.has_linear():  # the builds with a tiled kernel: both kinds, chosen as the kernel runs
-        assert tiled["prefetcht1"] >= 2, tiled
-    streams = {
-        name: c
-        for name, c in counts.items()
-        if name.startswith("void (anonymous namespace)::block_kernel_streams<")
+    # The tiled attention's next block and the bf16 linear's decode streams are prefetched into L2 (on a Zen 4
+    # the L1's misses in flight are the limit), into L1 on a Zen 5 (docs/performance.md).
+    assert cpu_ops.load().prefetches_into_l2() == (_amd_cpu_family() != 26)
+
+
+def _pool_orders(num_blocks: int) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(num_blocks)
+    return {
+        "in order": list(range(num_blocks)),
+        "reversed": list(range(num_blocks))[::-1],
+        "scattered": torch.randperm(num_blocks, generator=gen).tolist(),
     }
-    if not streams:
-        pytest.skip("no AVX-512 BF16 linear in this build")
-    into_l2 = {name: c for name, c in streams.items() if ", true>(" in name}
-    assert len(into_l2) == len(streams) // 2 > 0, sorted(streams)
-    for name, found in into_l2.items():  # every row count, a single row too
-        assert found["prefetcht1"] > 0 and found["prefetcht0"] == 0, (name, found)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("order", ["in order", "reversed", "scattered"])
+def test_attention_reads_its_blocks_wherever_they_lie_in_the_pool(dtype, order):
+    # Each kernel prefetches a block or two ahead of the one it computes, through the block table: decode rows
+    # (one sequence split into parts over the threads, and several sequences), a short chunk (the row kernel)
+    # and prompt chunks (the tiled kernel, split or whole). Whatever the order of the blocks in the pool (the
+    # next one right after, before, or anywhere), and with the first and last blocks of the pool in use, the
+    # outputs are the oracle's.
+    ctx_lens, q_lens = [700, 1, 300, 33, 260], [1, 1, 3, 17, 64]
+    case = Case(ctx_lens, 16, 3, 64, dtype, seed=9, spare_blocks=0, layout="head-major")
+    blocks = [b for table in case.tables for b in table]
+    remap = dict(zip(sorted(blocks), _pool_orders(len(blocks))[order], strict=True))
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    for old, new in remap.items():
+        k_cache[new], v_cache[new] = case.k_cache[old], case.v_cache[old]
+    case.k_cache, case.v_cache = k_cache, v_cache
+    case.tables = [[remap[b] for b in table] for table in case.tables]
+    width = case.block_tables.shape[1]
+    case.block_tables = torch.tensor(
+        [t + [GARBAGE_BLOCK] * (width - len(t)) for t in case.tables], dtype=torch.int32
+    )
+    query = torch.randn(sum(q_lens), 9, 64, generator=case.gen).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    out = CPU.paged_prefill_attention(
+        query, case.k_cache, case.v_cache, case.block_tables, starts, case.context_lens, 0.125
+    )
+    expected = oracle(query, case, q_lens, 0.125)
+    assert_matches_oracle(out, expected, dtype)
+    first = copy.copy(
+        case
+    )  # the first sequence alone: a decode row split into parts, a chunk whose tiles split
+    first.tables, first.ctx_lens = case.tables[:1], case.ctx_lens[:1]
+    lone = CPU.paged_decode_attention(
+        query[:1], case.k_cache, case.v_cache, case.block_tables[:1], case.context_lens[:1], 0.125
+    )
+    assert_matches_oracle(lone, expected[:1], dtype)
+    chunk = torch.randn(15, 9, 64, generator=case.gen).to(dtype)
+    out = CPU.paged_prefill_attention(
+        chunk,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables[:1],
+        torch.tensor([0, 15], dtype=torch.int32),
+        case.context_lens[:1],
+        0.125,
+    )
+    assert_matches_oracle(out, oracle(chunk, first, [15], 0.125), dtype)
 
 
 # The kernels read a cache in either layout through its strides (the worker's CPU pool is head-major).
@@ -637,22 +618,21 @@ def test_linear_rounds_the_exact_product_once(rows, n, k, bias):
 
 
 @needs_linear
-@pytest.mark.skipif(cpu_has_native_bf16(), reason="the AVX-512 BF16 linear sums a pair at a time")
+@pytest.mark.skipif(
+    not _built() or "bf16" in cpu_ops.load().instruction_set(),
+    reason="the AVX-512 BF16 linear sums a pair at a time",
+)
 @pytest.mark.parametrize(
     ("rows", "n", "k", "bias"), [(40, 200, 96, True), (100, 64, 1536, False), (100, 48, 96, True)]
 )
-def test_avx2_linear_gives_a_row_the_same_bits_in_any_pass_from_3_rows(rows, n, k, bias):
-    # Passes of 3, 4 and 6 rows widening the weights as they go (6: each half of a line in turn), and from
-    # 32 rows passes of 5 and 6 over a block widened once, run the same float32 FMAs in k order: in any of
-    # them a row's result is the same (below 32 rows passes of 6, then of up to 4: 10 rows are 6 + 4, 24
-    # four of 6; groups of 96 rows up to K = 768, of 48 past it, and what is left: 100 rows are 96 + 4 and
-    # 48 + 48 + 4). On AVX-512 without BF16 the passes of 4 to 8 rows run the same FMAs in zmm, over three
-    # blocks at once (fewer at the end where the count is not a multiple: n = 200 and 64), 3 rows as on
-    # AVX2 (10 rows are two passes of 5, 24 three of 8, 40 five of 8, 100 of K = 1536 six of 8 twice, then
-    # one of 4). A pass of 1 or 2 rows (alone, or the last of 7, 8, 11, 13, 14 ... rows below 32 on AVX2)
-    # runs interleaved sets of sums, another order. So that any other order shows, x holds +2^40 and -2^40
-    # against equal weights at k/3 and 2k/3: in k order the sum up to 2k/3 vanishes (absorbed, then
-    # cancelled) and only the terms after it are left.
+def test_widening_linear_gives_a_row_the_same_bits_in_any_pass(rows, n, k, bias):
+    # Without a bf16 dot product (AVX2, AVX-512 without BF16) every pass runs a row's float32 FMAs in k
+    # order: one row as four streams of blocks, two as two, more in balanced passes of up to 6 rows (8 over
+    # three blocks at once on AVX-512, fewer at the end where the count is not a multiple: n = 200 and 64),
+    # and from 32 rows in groups of 96 up to K = 768, of 48 past it, and what is left (100 rows are 96 + 4
+    # and 48 + 48 + 4), through a float32 copy of each block on AVX2. In any of them a row's result is the
+    # same. So that any other order shows, x holds +2^40 and -2^40 against equal weights at k/3 and 2k/3: in
+    # k order the sum up to 2k/3 vanishes (absorbed, then cancelled) and only the terms after it are left.
     gen = torch.Generator().manual_seed(rows + n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
@@ -662,7 +642,8 @@ def test_avx2_linear_gives_a_row_the_same_bits_in_any_pass_from_3_rows(rows, n, 
     kernels = _linear_kernels()
     packed = kernels.pack_linear_weight(weight)
     whole = kernels.linear(x, packed, n, b)
-    for start, size in [(0, 3), (3, 4), (7, 4), (1, 6), (5, 10), (13, 24), (4, 32), (rows - 3, 3)]:
+    parts = [(0, 3), (3, 4), (7, 4), (1, 6), (5, 10), (13, 24), (4, 32), (rows - 3, 3)]
+    for start, size in [*parts, (0, 1), (9, 1), (2, 2), (4, 8), (6, 13)]:
         part = kernels.linear(x[start : start + size], packed, n, b)
         assert torch.equal(part, whole[start : start + size]), (start, size)
 
@@ -832,8 +813,9 @@ def test_linear_silu_is_linear_then_silu_mul(rows, size, k, bias):
     # AVX-512 more than 8 rows: one pass over each block or several, and past 120 rows in groups of rows;
     # on AVX2 the rows through the float32 copy, from 32 in groups of 96 or, past K = 768, 48, with a
     # short last group as the two calls: 200 rows; with AMX, from 6 rows where K is a multiple of 32, the
-    # gate and up blocks as one step's two W tiles, 256 rows at a time: 300 rows), else the two calls: the
-    # same bits either way, from a strided view and with leading dimensions too.
+    # gate and up blocks as one step's two W tiles), else the two calls (and from 256 rows, where oneDNN
+    # computes the linear, always: 300 rows): the same bits either way, from a strided view and with leading
+    # dimensions too.
     gen = torch.Generator().manual_seed(rows * size + k)
     weight = torch.randn(2 * size, k, generator=gen).bfloat16()
     b = torch.randn(2 * size, generator=gen).bfloat16() if bias else None
@@ -846,20 +828,17 @@ def test_linear_silu_is_linear_then_silu_mul(rows, size, k, bias):
     assert batched.shape == (1, rows, size) and torch.equal(batched[0], expected)
 
 
-@pytest.mark.skipif(not {"amx_bf16", "amx_tile"} <= _cpu_flags(), reason="this CPU has no AMX")
-def test_a_cpu_with_amx_gets_the_amx_kernels(amx_switch):
+@pytest.mark.skipif(
+    not {"amx_bf16", "amx_tile"} <= _cpu_flags() or cpu_ops.march() != "native",
+    reason="this CPU has no AMX, or the kernels are built for another instruction set",
+)
+def test_a_cpu_with_amx_gets_the_amx_kernels(amx_switch, onednn_rows):
     # Without them (a build that lost the tile instructions, a refused permission, a dispatch that no longer
-    # reaches them) the linear and the tiled attention fall back to AVX-512 BF16 without a word: the linear
-    # 6-12x slower from 16 rows, the attention 2-3x.
+    # reaches them) the linear and the tiled attention fall back to AVX-512 BF16 without a word, several
+    # times slower. (The linear's 256 rows stay with the kernels here, not oneDNN.)
     kernels = cpu_ops.load()
     assert kernels.has_amx()
-    if shutil.which("objdump") is not None:
-        instructions = _instructions_by_function(kernels.__file__)
-        for kernel in ("linear_amx", "tiled_attention_impl<c10::BFloat16>"):
-            tiles = Counter(
-                i.split()[0] for name, body in instructions.items() if kernel in name for i in body
-            )
-            assert tiles["tdpbf16ps"] >= 3 and tiles["tileloadd"] >= 3, (kernel, tiles)
+    onednn_rows(False, -1)
     # That the tiles run shows in their rare last-bit roundings, which AVX-512 does not make: over these
     # inputs 107 of the gate_up projection's 786,432 outputs, 96 of its SiLU product's 393,216 and 220 of a
     # 500-token prompt's 288,000 attention outputs differ between the two paths.
@@ -903,14 +882,17 @@ def test_a_cpu_with_amx_gets_the_amx_kernels(amx_switch):
 )
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_amx_linear_rounds_the_exact_product_once_as_avx512_does(amx_switch, rows, n, k, bias, threads):
+def test_amx_linear_rounds_the_exact_product_once_as_avx512_does(
+    amx_switch, onednn_rows, rows, n, k, bias, threads
+):
     # From 6 rows and K a multiple of 32 the linear multiplies tiles: x tiles of 16 rows (the last padded:
     # 6, 17, 31, 33, 300 and 513 rows), W tiles straight from the packed blocks, two blocks and two x tiles
     # a step (odd block counts a thread and odd tile counts leave single ones: 200 columns are 13 blocks,
-    # 33 and 100 columns 3 and 7), 256 rows at a time (300 and 513 rows: two and three). Within one bf16
+    # 33 and 100 columns 3 and 7), all rows at once (300 and 513 rows too). Within one bf16
     # step of the exact product, at least as close to it as PyTorch's linear, and AVX-512's bits but for
     # rare last-bit differences of the float32 sums (tdpbf16ps rounds inside a pair's products
-    # differently in some cases: about 1 output in 5,000 apart).
+    # differently in some cases: about 1 output in 5,000 apart). The rows that would go to oneDNN stay here.
+    onednn_rows(False, -1)
     gen = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
@@ -933,6 +915,39 @@ def test_amx_linear_rounds_the_exact_product_once_as_avx512_does(amx_switch, row
     magnitude = x.double().abs() @ weight.double().abs().T
     gap = (out.double() - avx512.double()).abs()
     assert (gap <= 2**-7 * exact.abs() + (k + 1) * 2.0**-24 * magnitude + 1e-30).all()
+
+
+@pytest.fixture
+def onednn_rows():
+    """set(f32, rows): the rows from which the linear of the dtype goes to oneDNN (-1 never); put back after."""
+    kernels = cpu_ops.load()
+    before = {f32: kernels.set_onednn_min_rows(f32, -2) for f32 in (False, True)}
+    yield kernels.set_onednn_min_rows
+    for f32, rows in before.items():
+        kernels.set_onednn_min_rows(f32, rows)
+
+
+@needs_linear
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 200, 96), (7, 33, 62), (40, 960, 576), (300, 100, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_through_onednn_is_torchs_linear_of_the_unpacked_weight(onednn_rows, rows, n, k, bias, dtype):
+    # Many rows go to oneDNN (at::linear) over the packed weight unpacked to [N, K]: the result is F.linear's of
+    # the weight itself, bit for bit, from a strided view too; and the MLP's linear_silu is then the linear
+    # then silu_mul.
+    kernels = _linear_kernels(dtype)
+    if kernels is None:
+        pytest.skip("no linear for the dtype in this build")
+    gen = torch.Generator().manual_seed(rows + n + k)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    x = torch.randn(rows, k + 3, generator=gen).to(dtype)[:, 1 : 1 + k]
+    packed = kernels.pack_linear_weight(weight)
+    onednn_rows(dtype == torch.float32, 1)
+    assert torch.equal(kernels.linear(x, packed, n, b), torch.nn.functional.linear(x, weight, b))
+    if dtype == torch.bfloat16 and n % 32 == 0:
+        expected = kernels.silu_mul(kernels.linear(x, packed, n, b))
+        assert torch.equal(kernels.linear_silu(x, packed, n // 2, b), expected)
 
 
 @needs_linear
@@ -976,43 +991,78 @@ def test_bf16_model_through_the_kernels_is_as_accurate_as_through_the_reference(
 # ---- every instruction set's branch compiles ------------------------------------------------------------
 
 # The build targets the CPU it runs on (-march=native), so a machine compiles only its own branch of the
-# source's #if ladders. Each is compiled here whatever CPU runs the suite: the portable loops (no AVX2),
-# AVX2 with FMA, AVX-512 without BF16, AVX-512 BF16. The kernels' translation unit alone: the bindings
-# have no branches, and their torch/extension.h took two thirds of each compile (55 -> 12-17 s).
+# vector layer (vec.h) and of the kernels that one instruction set has alone. Each is compiled here whatever
+# CPU runs the suite: plain C++ (no AVX2), AVX2 with FMA, AVX-512 without BF16, AVX-512 BF16 with AMX. Every
+# kernel translation unit, but not the bindings: they have no branches, and their torch/extension.h would
+# take most of the time.
 MARCHES = ["x86-64-v2", "haswell", "icelake-server", "sapphirerapids"]
+# The headers every unit's compile spends most of its time in.
+PRECOMPILED_HEADERS = ["ATen/Parallel.h", "ATen/core/Tensor.h", "ATen/ops/empty.h", "ATen/ops/linear.h"]
 
 
 @pytest.fixture(scope="module")
-def compiled_marches(tmp_path_factory) -> dict[str, subprocess.CompletedProcess[str]]:
+def compiled_marches(tmp_path_factory) -> dict[str, list[subprocess.CompletedProcess[str]]]:
+    from concurrent.futures import ThreadPoolExecutor
+
     from torch.utils import cpp_extension
 
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    flags = [f for f in cpu_ops.CFLAGS if f not in ("-O3", "-march=native")]
+    flags = [f for f in cpu_ops.CFLAGS if f != "-O3"]
     out = tmp_path_factory.mktemp("march")
+    units = [path for path in cpu_ops.sources() if path.name != "bindings.cpp"]
+
     # -O0 still inlines the intrinsics, so one outside its branch fails ("target specific option mismatch"),
-    # in about half of -O3's time.
-    procs = {
-        march: subprocess.Popen(
-            ["g++", "-std=c++20", "-O0", f"-march={march}", *flags, "-DTORCH_EXTENSION_NAME=check"]
-            + [f"-I{p}" for p in includes]
-            + ["-c", str(cpu_ops.SOURCE), "-o", str(out / f"{march}.o")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for march in MARCHES
-    }
-    done = {}
-    for march, proc in procs.items():
-        stdout, stderr = proc.communicate()
-        done[march] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    return done
+    # in about half of -O3's time. Most of a unit's compile is ATen's headers: each instruction set's units
+    # share them precompiled (a header compiled once, with the units' flags; GCC reads the .gch instead).
+    def command(march: str) -> list[str]:
+        base = ["g++", "-std=c++20", "-O0", f"-march={march}", *flags, "-DTORCH_EXTENSION_NAME=check"]
+        return base + [f"-I{p}" for p in includes]
+
+    def compile_headers(march: str) -> Path:
+        header = out / march / "aten.h"
+        header.parent.mkdir()
+        header.write_text("".join(f"#include <{h}>\n" for h in PRECOMPILED_HEADERS))
+        subprocess.run([*command(march), "-x", "c++-header", str(header), "-o", f"{header}.gch"], check=False)
+        return header
+
+    def compile_unit(march: str, header: Path, unit: Path) -> subprocess.CompletedProcess[str]:
+        object_file = out / march / f"{unit.stem}.o"
+        args = [*command(march), "-include", str(header), "-c", str(unit), "-o", str(object_file)]
+        return subprocess.run(args, capture_output=True, text=True)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        headers = dict(zip(MARCHES, pool.map(compile_headers, MARCHES), strict=True))
+        jobs = [(march, unit) for march in MARCHES for unit in units]
+        done = list(pool.map(lambda job: compile_unit(job[0], headers[job[0]], job[1]), jobs))
+    return {march: [d for (m, _), d in zip(jobs, done, strict=True) if m == march] for march in MARCHES}
 
 
-@pytest.mark.skipif(
+needs_gxx = pytest.mark.skipif(
     shutil.which("g++") is None or platform.machine() != "x86_64", reason="needs g++ on x86-64"
 )
+
+
+@needs_gxx
 @pytest.mark.parametrize("march", MARCHES)
-def test_the_source_compiles_for_each_instruction_set(compiled_marches, march):
-    result = compiled_marches[march]
-    assert result.returncode == 0, result.stderr[-4000:]
+def test_every_kernel_unit_compiles_for_each_instruction_set(compiled_marches, march):
+    for result in compiled_marches[march]:
+        assert result.returncode == 0, (result.args[-3], result.stderr[-4000:])
+
+
+@needs_gxx
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm")
+@pytest.mark.parametrize("march", MARCHES)
+def test_every_kernel_function_a_unit_calls_is_defined_for_each_instruction_set(compiled_marches, march):
+    # A dispatch that calls an instruction set's kernel must find it defined (or a stub) in every build,
+    # else the extension fails to load there.
+    objects = [result.args[-1] for result in compiled_marches[march] if result.returncode == 0]
+    if len(objects) != len(compiled_marches[march]):
+        pytest.skip("a unit did not compile (see the test above)")
+
+    def symbols(*flags: str) -> set[str]:
+        listing = subprocess.run(["nm", *flags, *objects], capture_output=True, text=True, check=True).stdout
+        return {line.split()[-1] for line in listing.splitlines() if line.strip() and not line.endswith(":")}
+
+    ours = {name for name in symbols("--undefined-only") if name.startswith("_ZN10pagedserve")}
+    missing = ours - symbols("--defined-only")
+    assert not missing, sorted(missing)

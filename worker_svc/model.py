@@ -196,11 +196,13 @@ class PackedLinear(nn.Module):
     layout for this CPU.
 
     NOTE: bf16 F.linear on CPU runs oneDNN but reorders (or reads strided) the plain [out, in] weight on
-    every call; prepacked, the same results come faster. The kernels' linear streams the weights faster
-    still at few rows, and with the DecoderStack it is at least as fast at every batch size, so one copy in
-    its layout serves all. float32 F.linear runs MKL's sgemm, which on an AMD CPU streams the weights
-    slowly: float32 goes to the kernels' float32 linear, else to oneDNN prepacked. (docs/performance.md,
-    "Measurements behind the code".)"""
+    every call; prepacked, the same results come faster. The kernels' linear (kernels/cpu/linear*.cpp)
+    streams the weights faster still at few rows, and hands many rows (prompts) to oneDNN itself, over the
+    weight unpacked for the call, where oneDNN's bf16 matmul is native: so one copy of each weight serves
+    every batch size. float32 weights go to the kernels' float32 linear where the CPU has AVX2 with FMA,
+    else to oneDNN prepacked: F.linear runs MKL's sgemm, which on an AMD CPU streams the weights at a
+    fraction of the memory's rate. The measurements are in docs/performance.md
+    (`bench/bench_kernels_cpu.py --linear`)."""
 
     def __init__(
         self,

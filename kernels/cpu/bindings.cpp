@@ -1,9 +1,8 @@
-// Python bindings of the CPU kernels (kernels/cpu_ops.cpp, interface in cpu_ops.h), compiled with them by
-// kernels/cpu_ops.py.
+// Python bindings of the CPU kernels (interface in ops.h), compiled with them by kernels/cpu_ops.py.
 
 #include <torch/extension.h>
 
-#include "cpu_ops.h"
+#include "ops.h"
 
 namespace ps = pagedserve::cpu;
 
@@ -35,11 +34,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefetches_into_l2", &ps::prefetches_into_l2,
         "Whether the tiled attention and the bf16 linear's decode rows prefetch into L2 rather than L1 "
         "(on every CPU but an AMD Zen 5)");
+  m.def("instruction_set", &ps::instruction_set,
+        "The instruction set the kernels are built for: avx512-bf16-amx, avx512-bf16, avx512, avx2 or plain");
   m.def("has_amx", &ps::has_amx,
         "Whether the bf16 linear takes AMX tiles from 16 rows on (a build with AMX, and Linux's permission)");
   m.def(
       "set_amx_enabled", &ps::set_amx_enabled, py::arg("enabled"),
       "Lets the bf16 linear take AMX or keeps it on AVX-512 (for benchmarks and tests); returns the setting "
+      "before");
+  m.def("onednn_min_rows", &ps::onednn_min_rows, py::arg("f32"),
+        "Rows from which the linear of bf16 (float32 where f32) hands the product to oneDNN, -1 never");
+  m.def(
+      "set_onednn_min_rows", &ps::set_onednn_min_rows, py::arg("f32"), py::arg("rows"),
+      "Sets onednn_min_rows (-1 never, -2 the build's choice: for benchmarks and tests); returns the setting "
       "before");
   py::class_<ps::DecoderStack>(m, "DecoderStack", "A decoder's layers run in one call (see model.CausalLM)")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>(),

@@ -1,8 +1,9 @@
-// The CPU kernels' interface (kernels/cpu_ops.cpp), which kernels/cpu_bindings.cpp binds for Python.
+// The CPU kernels' interface: what bindings.cpp binds for Python (kernels/cpu_ops.py), each defined in the
+// file of its topic. Every op's contract (shapes, layouts, dtypes) is kernels/reference.py's.
 //
-// NOTE: the kernels include ATen's core headers only, and the bindings torch/extension.h (pybind11 and
-// all of torch's Python API, about two thirds of a compile of the kernels at -O0): the test suite
-// compiles the kernels for every instruction set without it (tests/test_kernels_cpu.py).
+// NOTE: the kernels include ATen's headers only, and the bindings torch/extension.h (pybind11 and all of
+// torch's Python API, most of a compile at -O0): the test suite compiles the kernels for every instruction
+// set without them (tests/test_kernels_cpu.py).
 
 #pragma once
 
@@ -11,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace pagedserve::cpu {
@@ -35,8 +37,15 @@ at::Tensor linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t si
 bool has_linear();
 bool has_linear_f32();
 bool prefetches_into_l2();
+// The instruction set this build's kernels are compiled for: "avx512-bf16-amx", "avx512-bf16", "avx512",
+// "avx2" or "plain".
+std::string instruction_set();
 bool has_amx();
 bool set_amx_enabled(bool enabled);
+// Rows from which the linear of bf16 (f32: float32) goes to oneDNN, -1 never; and its setting (-1 never, -2
+// the build's choice), which returns the setting before.
+int64_t onednn_min_rows(bool f32);
+int64_t set_onednn_min_rows(bool f32, int64_t rows);
 
 // A decoder's layers run in one call (see the kernels' DecoderStack).
 class DecoderStack {

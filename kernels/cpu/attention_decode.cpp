@@ -1,0 +1,484 @@
+// The row kernel of paged attention: decode rows, and chunks of few queries. A task is a chunk of rows for a
+// range of kv heads against a part of its sequence's context; its queries score every position they see,
+// reading K and V in place block by block through the block table while a later block is prefetched, then
+// the softmax and the weighted sum of V rows. Two passes, the scores kept between them.
+//
+// The products are one body over vec::Vec for every instruction set and dtype: a kv head's group of query
+// vectors (kGroup at a time) against each K or V row loaded once for all of them, widened as it is loaded.
+// Only AVX-512 BF16 reads bf16 rows its own way, with its dot product of bf16 pairs
+// (attention_decode_bf16.h).
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "attention.h"
+#include "attention_decode_bf16.h"
+#include "common.h"
+#include "prefetch.h"
+#include "vec.h"
+
+namespace pagedserve::cpu {
+namespace {
+
+// The block this many blocks after the one computed is prefetched, a share a visit: one ahead comes in late
+// where memory is slow to answer.
+constexpr int64_t kFetchAhead = 2;
+
+// Up to this many bytes of that block are prefetched at once before a visit (a prompt row's share); more (a
+// decode row's) are shared out over the kernels' steps (see FetchShare).
+constexpr int64_t kFetchBurstBytes = 1024;
+
+// Most score floats a thread keeps between calls (256 KB).
+constexpr size_t kKeptScores = 64 * 1024;
+
+// With fewer chunks than threads (a lone sequence's decode row), a context of at least this many blocks a
+// part is split into parts, one a thread, whose partial softmaxes are merged after, as flash-decoding does:
+// splitting the kv heads instead leaves threads idle (3 heads on 2 threads run 2 against 1).
+constexpr int64_t kMinPartBlocks = 8;
+
+inline int64_t context_parts(int64_t used_blocks, int64_t num_chunks, int64_t threads) {
+  if (num_chunks >= threads) return 1;
+  return std::max<int64_t>(1,
+                           std::min(used_blocks / kMinPartBlocks, (threads + num_chunks - 1) / num_chunks));
+}
+
+// The rows of chunk `chunk`, for kv heads h0 .. h1, against the blocks [b0, b1) of its sequence. partial:
+// where a part's results start in the partials buffer ([rows x query heads] weighted sums of head_dim
+// floats, then as many maxima, then as many sums); -1 when the task covers the whole context and writes
+// the output itself.
+struct RowTask {
+  int64_t chunk, h0, h1, b0, b1, partial;
+};
+
+// Query vectors of a kv head computed together (SmolLM2's group of three): each K and V row is loaded once
+// for all of them.
+constexpr int kGroup = 3;
+// Vectors of head dims a values pass holds the sums of, for kGroup query vectors: their sums, kGroup
+// weights and a row fill the registers (AVX-512: 3 x 8 + 4 of 32; AVX2: 3 x 4 + 4 of 16).
+constexpr int kValueVectors = std::min(8, (vec::kRegisters - 1 - kGroup) / kGroup);
+
+// out[g * out_stride + j] = q_g . row j for the G query vectors q_g (size floats apart, scaled) and the n
+// rows (stride apart, of the cache's R, widened as they are loaded): four rows at a time, each row's
+// products summed in the lanes and the four reduced together. With kFetch, the fetch_bytes at fetch are
+// prefetched a share every four rows.
+template <int G, typename R, bool kFetch>
+void group_scores(const float* q, int64_t size, const R* rows, int64_t stride, int64_t n, float* out,
+                  int64_t out_stride, const char* fetch, int64_t fetch_bytes) {
+  using namespace vec;
+  FetchShare ahead(fetch, kFetch ? fetch_bytes : 0, n / 4);
+  const int64_t whole_size = whole(size), tail = size - whole_size;
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    if constexpr (kFetch) ahead.step();
+    const R* r = rows + j * stride;
+    Vec acc[G][4];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = zero();
+    const auto products = [&](int64_t d, int64_t lanes) __attribute__((always_inline)) {
+      Vec qv[G];
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        qv[g] = lanes == kLanes ? load(q + g * size + d) : load_n(q + g * size + d, lanes);
+        keep_in_register(qv[g]);  // else 4G loads of q beside the rows' 4 instead of G
+      }
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const Vec k = lanes == kLanes ? load(r + p * stride + d) : load_n(r + p * stride + d, lanes);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) acc[g][p] = fma(qv[g], k, acc[g][p]);
+      }
+    };
+    for (int64_t d = 0; d < whole_size; d += kLanes) products(d, kLanes);
+    if (tail > 0) products(whole_size, tail);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g)
+      store_sums4(out + g * out_stride + j, acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+  }
+  if constexpr (kFetch) ahead.rest();
+  for (; j < n; ++j) {  // the last rows of a block, widened into a thread's buffer
+    thread_local std::vector<float> wide;
+    wide.resize(size);
+    load_row(rows + j * stride, wide.data(), size);
+    for (int g = 0; g < G; ++g) out[g * out_stride + j] = dot(q + g * size, wide.data(), size);
+  }
+}
+
+// acc_g[0 .. C kLanes) += sum over j < n of w[g * w_stride + j] * row j[0 .. C kLanes) for the G query
+// vectors (acc_g size floats apart), the sums held in registers over the block's rows; with kTail, C is 1
+// and covers the head's last `tail` dims. The fetch_bytes at fetch are prefetched a share a row.
+template <int G, int C, typename R, bool kFetch, bool kTail>
+void group_values(float* acc, int64_t size, const float* w, int64_t w_stride, const R* rows, int64_t stride,
+                  int64_t n, int64_t tail, const char* fetch, int64_t fetch_bytes) {
+  using namespace vec;
+  static_assert(!kTail || C == 1);
+  FetchShare ahead(fetch, kFetch ? fetch_bytes : 0, n);
+  Vec a[G][C];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      a[g][c] = kTail ? load_n(acc + g * size, tail) : load(acc + g * size + kLanes * c);
+  for (int64_t j = 0; j < n; ++j) {
+    if constexpr (kFetch) ahead.step();
+    Vec wj[G];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) wj[g] = set1(w[g * w_stride + j]);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const R* row = rows + j * stride + kLanes * c;
+      const Vec v = kTail ? load_n(row, tail) : load(row);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) a[g][c] = fma(wj[g], v, a[g][c]);
+    }
+  }
+  if constexpr (kFetch) ahead.rest();
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      if constexpr (kTail)
+        store_n(acc + g * size, a[g][c], tail);
+      else
+        store(acc + g * size + kLanes * c, a[g][c]);
+    }
+}
+
+template <typename R>
+using ScoresFn = void (*)(const float*, int64_t, const R*, int64_t, int64_t, float*, int64_t, const char*,
+                          int64_t);
+template <typename R>
+using ValuesFn = void (*)(float*, int64_t, const float*, int64_t, const R*, int64_t, int64_t, int64_t,
+                          const char*, int64_t);
+
+// [fetch][G - 1]
+template <typename R, int... G>
+constexpr std::array<std::array<ScoresFn<R>, sizeof...(G)>, 2> scores_table(
+    std::integer_sequence<int, G...>) {
+  return {{{&group_scores<G + 1, R, false>...}, {&group_scores<G + 1, R, true>...}}};
+}
+// [fetch][G - 1][log2 C]: C = 1, 2, 4, 8 vectors of head dims, then the tail's.
+template <typename R, int C, int... G>
+constexpr std::array<std::array<ValuesFn<R>, sizeof...(G)>, 2> values_table(
+    std::integer_sequence<int, G...>) {
+  return {{{&group_values<G + 1, C, R, false, false>...}, {&group_values<G + 1, C, R, true, false>...}}};
+}
+template <typename R, int... G>
+constexpr std::array<std::array<ValuesFn<R>, sizeof...(G)>, 2> tail_table(std::integer_sequence<int, G...>) {
+  return {{{&group_values<G + 1, 1, R, false, true>...}, {&group_values<G + 1, 1, R, true, true>...}}};
+}
+
+// The scores of `vectors` query vectors of one kv head (q_g at q + g * size), kGroup at a time, with the
+// `fetch_bytes` at fetch prefetched: at once where they are few, else a share every four rows of the first
+// run.
+template <typename R>
+void head_scores(const float* q, int64_t vectors, int64_t size, const R* rows, int64_t stride, int64_t n,
+                 float* out, int64_t out_stride, const char* fetch, int64_t fetch_bytes) {
+  static constexpr auto kFns = scores_table<R>(std::make_integer_sequence<int, kGroup>{});
+  if (fetch_bytes <= kFetchBurstBytes) prefetch(fetch, fetch_bytes), fetch_bytes = 0;
+  for (int64_t g = 0; g < vectors; g += kGroup, fetch_bytes = 0) {
+    const int64_t count = std::min<int64_t>(kGroup, vectors - g);
+    kFns[fetch_bytes > 0][count - 1](q + g * size, size, rows, stride, n, out + g * out_stride, out_stride,
+                                     fetch, fetch_bytes);
+  }
+}
+
+// The weighted V rows of `vectors` query vectors of one kv head (acc_g at acc + g * size, their weights at
+// w + g * w_stride), kGroup at a time and up to kValueVectors vectors of head dims a pass, the first run's
+// passes each prefetching their share of the fetch_bytes at fetch.
+template <typename R>
+void head_values(float* acc, int64_t vectors, int64_t size, const float* w, int64_t w_stride, const R* rows,
+                 int64_t stride, int64_t n, const char* fetch, int64_t fetch_bytes) {
+  static constexpr auto kSeq = std::make_integer_sequence<int, kGroup>{};
+  static constexpr std::array<std::array<std::array<ValuesFn<R>, kGroup>, 2>, 4> kFns = {
+      values_table<R, 1>(kSeq), values_table<R, 2>(kSeq), values_table<R, 4>(kSeq), values_table<R, 8>(kSeq)};
+  static constexpr auto kTail = tail_table<R>(kSeq);
+  if (fetch_bytes <= kFetchBurstBytes) prefetch(fetch, fetch_bytes), fetch_bytes = 0;
+  const int64_t whole_size = vec::whole(size);
+  for (int64_t g = 0; g < vectors; g += kGroup) {
+    const int64_t count = std::min<int64_t>(kGroup, vectors - g);
+    for (int64_t d = 0; d < size;) {
+      // The pass's share of the fetch: as many lines as its dims are of the dims left.
+      const int64_t left = whole_size - d;
+      int log2c = 0;
+      while (log2c < 3 && (vec::kLanes << (log2c + 1)) <= left && (2 << log2c) <= kValueVectors) ++log2c;
+      const int64_t dims = left > 0 ? vec::kLanes << log2c : size - d;
+      const int64_t share =
+          fetch_bytes > 0
+              ? std::min(fetch_bytes, ((fetch_bytes + 63) / 64 * dims + size - d - 1) / (size - d) * 64)
+              : 0;
+      const auto fn = left > 0 ? kFns[log2c][share > 0][count - 1] : kTail[share > 0][count - 1];
+      fn(acc + g * size + d, size, w + g * w_stride, w_stride, rows + d, stride, n, size - d, fetch, share);
+      fetch += share, fetch_bytes -= share, d += dims;
+    }
+  }
+}
+
+// out[0 .. n) = acc[0 .. n) * scale, rounded to T.
+template <typename T>
+void store_scaled(T* out, const float* acc, float scale, int64_t n) {
+  using namespace vec;
+  const Vec s = set1(scale);
+  int64_t d = 0;
+  for (; d < whole(n); d += kLanes) store(out + d, mul(load(acc + d), s));
+  if (d < n) store_n(out + d, mul(load_n(acc + d, n - d), s), n - d);
+}
+
+// exp(s - max(s)) in place over n scores; returns their sum (softmax without the division), and the max in
+// *max_out if given.
+float exp_shifted_sum(float* s, int64_t n, float* max_out = nullptr) {
+  using namespace vec;
+  const int64_t whole_n = whole(n), tail = n - whole_n;
+  Vec vmax = set1(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < whole_n; i += kLanes) vmax = max(vmax, load(s + i));
+  float top = reduce_max(vmax);
+  for (int64_t i = whole_n; i < n; ++i) top = std::max(top, s[i]);
+  if (max_out != nullptr) *max_out = top;
+  // exp(s - max), stored and summed in one pass.
+  const Vec shift = set1(top);
+  Vec sum = zero();
+  for (int64_t i = 0; i < whole_n; i += kLanes) {
+    const Vec e = exp(sub(load(s + i), shift));
+    store(s + i, e);
+    sum = add(sum, e);
+  }
+  if (tail > 0) {
+    const Vec e = select(first_lanes(tail), exp(sub(load_n(s + whole_n, tail), shift)), zero());
+    store_n(s + whole_n, e, tail);
+    sum = add(sum, e);
+  }
+  return reduce_add(sum);
+}
+
+}  // namespace
+
+template <typename T>
+void row_attention(const AttentionArgs<T>& a, const std::vector<RowChunk>& chunks) {
+  const int64_t block_bytes = a.block_stride * static_cast<int64_t>(sizeof(T));
+  const int threads = std::max(1, at::get_num_threads());
+  const int64_t num_chunks = static_cast<int64_t>(chunks.size()), num_heads = a.num_kv_heads * a.group;
+  const auto used_blocks = [&](const RowChunk& c) {
+    return (c.pos0 + c.len + a.block_size - 1) / a.block_size;
+  };
+  // A task is a chunk and a range of kv heads: all of them, unless there are fewer chunks than threads; then
+  // long contexts are split into parts (see context_parts) and the others split their kv heads.
+  const int64_t splits = std::min<int64_t>(a.num_kv_heads, (threads + num_chunks - 1) / num_chunks);
+  const int64_t heads_per_task = (a.num_kv_heads + splits - 1) / splits;
+  // The parts, each chunk's side by side, and where each split chunk's first part is; empty but for a
+  // long context among fewer chunks than threads.
+  std::vector<RowTask> parts;
+  std::vector<int64_t> merges;
+  int64_t partial_floats = 0;
+  const bool any_split = std::any_of(chunks.begin(), chunks.end(), [&](const RowChunk& c) {
+    return context_parts(used_blocks(c), num_chunks, threads) > 1;
+  });
+  for (int64_t k = 0; k < num_chunks && any_split; ++k) {
+    const RowChunk& c = chunks[k];
+    const int64_t blocks = used_blocks(c), n = context_parts(blocks, num_chunks, threads);
+    if (n > 1) merges.push_back(static_cast<int64_t>(parts.size()));
+    for (int64_t p = 0; p < n; ++p) {
+      parts.push_back(
+          {k, 0, a.num_kv_heads, blocks * p / n, blocks * (p + 1) / n, n > 1 ? partial_floats : -1});
+      if (n > 1) partial_floats += c.len * num_heads * (a.head_dim + 2);
+    }
+  }
+  std::vector<float> partials(partial_floats);
+  const int64_t num_tasks = parts.empty() ? num_chunks * splits : static_cast<int64_t>(parts.size());
+  const auto task_at = [&](int64_t task) -> RowTask {
+    if (!parts.empty()) return parts[task];
+    const int64_t h0 = task % splits * heads_per_task;
+    return {task / splits,
+            h0,
+            std::min(a.num_kv_heads, h0 + heads_per_task),
+            0,
+            used_blocks(chunks[task / splits]),
+            -1};
+  };
+  BadBlock bad;
+  // On AVX-512 BF16, bf16 scores and values straight from the cache with its bf16 dot product where the head
+  // size allows (the query read as bf16 too); everything else through the vector layer's kernels above.
+#if defined(__AVX512BF16__)
+  constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
+  const bool raw_scores = kBf16 && bf16dot::has_bf16_scores(a.head_dim);
+  const bool raw_values = kBf16 && bf16dot::has_bf16_values(a.head_dim);
+#else
+  const bool raw_scores = false;
+#endif
+
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, num_tasks)))
+  {
+    const int64_t max_q = kChunkRows * num_heads;  // query vectors of one task, at most
+    // Each thread's buffers outlive the call: a decode step calls this once per layer.
+    thread_local std::vector<float> q, acc, inv_sum, scores;
+    q.resize(std::max<size_t>(q.size(), max_q * a.head_dim));
+    acc.resize(std::max<size_t>(acc.size(), max_q * a.head_dim));
+    inv_sum.resize(std::max<size_t>(inv_sum.size(), max_q));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_tasks; ++task) {
+      const RowTask tk = task_at(task);
+      const RowChunk& c = chunks[tk.chunk];
+      const int64_t nq = (tk.h1 - tk.h0) * a.group;
+      const int32_t* table = a.tables + c.seq * a.table_stride;
+      const int64_t span = c.pos0 + c.len;  // positions the last row sees
+      // The part's positions, k0 .. k1; vector v = i * nq + r (row i's query head r) scores them from
+      // v * part_len.
+      const int64_t k0 = tk.b0 * a.block_size, k1 = std::min(span, tk.b1 * a.block_size), part_len = k1 - k0;
+      for (int64_t i = 0; i < c.len && !raw_scores; ++i) {  // raw scores read the bf16 query itself
+        const T* q_row = a.q_ptr + (c.row0 + i) * a.q_stride + tk.h0 * a.group * a.head_dim;
+        for (int64_t e = 0; e < nq * a.head_dim; ++e)
+          q[i * nq * a.head_dim + e] = static_cast<float>(q_row[e]) * a.fscale;
+      }
+      scores.resize(std::max<size_t>(scores.size(), c.len * nq * part_len));
+
+      // Walks the part's blocks of one cache, calling visit(v, rows, first, n, fetch, fetch_bytes) for every
+      // row that sees n > 0 of the block's positions and every kv head: v is the first of the head's group of
+      // query vectors (the group is v .. v + group - 1), rows the head's rows in the cache (row_stride
+      // apart), first the block's first position. The block kFetchAhead on (past the last ones, `then`'s
+      // first: the V walk follows the K walk) is prefetched a slice a visit, which the visit prefetches (see
+      // FetchShare); the blocks between are prefetched whole as the K walk starts. False at a block id
+      // outside the cache.
+      const auto ahead_of = [&](const T* cache, const T* then, int64_t b) -> const char* {
+        if (b >= tk.b1) {  // into `then`'s blocks
+          if (then == nullptr) return nullptr;
+          cache = then, b = tk.b0 + (b - tk.b1);
+        }
+        if (b >= tk.b1 || !a.valid_block(table[b], b)) return nullptr;
+        return reinterpret_cast<const char*>(cache + table[b] * a.block_stride);
+      };
+      const auto walk = [&](const T* cache, const T* then, auto&& visit) {
+        for (int64_t b = tk.b0; b < tk.b1; ++b) {
+          const int64_t block = table[b];
+          if (!a.valid_block(block, b)) {
+            bad.report(block);
+            return false;
+          }
+          if (b == tk.b0 && then != nullptr)
+            for (int64_t e = 1; e < kFetchAhead; ++e)
+              if (const char* between = ahead_of(cache, then, b + e)) prefetch_l2(between, block_bytes);
+          const char* ahead = ahead_of(cache, then, b + kFetchAhead);
+          const int64_t first = b * a.block_size, end = std::min(a.block_size, span - first);
+          const int64_t i0 = std::max<int64_t>(0, first - c.pos0);
+          const int64_t visits = (c.len - i0) * (tk.h1 - tk.h0);
+          const int64_t slice = (block_bytes / 64 + visits - 1) / visits * 64;
+          int64_t fetched = 0;
+          const T* raw = cache + block * a.block_stride + tk.h0 * a.head_stride;
+          for (int64_t i = i0; i < c.len; ++i) {
+            const int64_t n = std::min(end, c.pos0 + i + 1 - first);  // positions of this block row i sees
+            for (int64_t kh = 0; kh < tk.h1 - tk.h0; ++kh) {
+              const int64_t fetch =
+                  ahead != nullptr ? std::max<int64_t>(0, std::min(slice, block_bytes - fetched)) : 0;
+              visit(i * nq + kh * a.group, raw + kh * a.head_stride, first - k0, n,
+                    ahead == nullptr ? nullptr : ahead + fetched, fetch);
+              fetched += fetch;
+            }
+          }
+        }
+        return true;
+      };
+      const bool valid = walk(
+          a.k_ptr, a.v_ptr,
+          [&](int64_t v0, const T* k_rows, int64_t first, int64_t n, const char* fetch, int64_t fetch_bytes) {
+#if defined(__AVX512BF16__)
+            if constexpr (kBf16) {
+              if (raw_scores) {
+                if (fetch_bytes <= kFetchBurstBytes) prefetch(fetch, fetch_bytes), fetch_bytes = 0;
+                const T* q_raw =
+                    a.q_ptr + (c.row0 + v0 / nq) * a.q_stride + (tk.h0 * a.group + v0 % nq) * a.head_dim;
+                return bf16dot::group_scores(q_raw, a.group, k_rows, a.row_stride, n, a.head_dim, a.fscale,
+                                             &scores[v0 * part_len + first], part_len, fetch, fetch_bytes);
+              }
+            }
+#endif
+            head_scores(&q[v0 * a.head_dim], a.group, a.head_dim, k_rows, a.row_stride, n,
+                        &scores[v0 * part_len + first], part_len, fetch, fetch_bytes);
+          });
+      // A part's maxima and sums go to the partials buffer, after its weighted sums.
+      float* const part_acc = tk.partial < 0 ? nullptr : partials.data() + tk.partial;
+      float* const part_max = part_acc == nullptr ? nullptr : part_acc + c.len * nq * a.head_dim;
+      float* const part_sum = part_max == nullptr ? nullptr : part_max + c.len * nq;
+      if (!valid) {  // reported after the threads are done; the merge meanwhile reads an empty part
+        if (part_sum != nullptr) std::fill(part_sum, part_sum + c.len * nq, 0.f);
+        continue;
+      }
+      for (int64_t i = 0; i < c.len; ++i) {
+        const int64_t visible = std::min(k1, c.pos0 + i + 1) - k0;  // none: the row ends before the part
+        for (int64_t r = 0; r < nq; ++r) {
+          const int64_t v = i * nq + r;
+          if (part_acc == nullptr) {
+            inv_sum[v] = 1.f / exp_shifted_sum(&scores[v * part_len], visible);
+          } else if (visible > 0) {
+            part_sum[v] = exp_shifted_sum(&scores[v * part_len], visible, &part_max[v]);
+          } else {
+            part_sum[v] = 0.f, part_max[v] = -std::numeric_limits<float>::infinity();
+          }
+        }
+      }
+      float* const sums = part_acc == nullptr ? acc.data() : part_acc;
+      std::fill(sums, sums + c.len * nq * a.head_dim, 0.f);
+      walk(
+          a.v_ptr, nullptr,
+          [&](int64_t v0, const T* v_rows, int64_t first, int64_t n, const char* fetch, int64_t fetch_bytes) {
+#if defined(__AVX512BF16__)
+            if constexpr (kBf16) {
+              if (raw_values) {
+                if (fetch_bytes <= kFetchBurstBytes) prefetch(fetch, fetch_bytes), fetch_bytes = 0;
+                return bf16dot::accumulate_group_bf16(&sums[v0 * a.head_dim], &scores[v0 * part_len + first],
+                                                      part_len, a.group, v_rows, a.row_stride, n, a.head_dim,
+                                                      fetch, fetch_bytes);
+              }
+            }
+#endif
+            head_values(&sums[v0 * a.head_dim], a.group, a.head_dim, &scores[v0 * part_len + first], part_len,
+                        v_rows, a.row_stride, n, fetch, fetch_bytes);
+          });
+      if (part_acc == nullptr)
+        for (int64_t i = 0; i < c.len; ++i)
+          for (int64_t r = 0; r < nq; ++r)
+            store_scaled(a.out_ptr + (c.row0 + i) * a.out_stride + (tk.h0 * a.group + r) * a.head_dim,
+                         &acc[(i * nq + r) * a.head_dim], inv_sum[i * nq + r], a.head_dim);
+    }
+    // The split chunks: each query vector's parts rescaled to their common max, summed and normalised.
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < static_cast<int64_t>(merges.size()); ++m) {
+      const int64_t first = merges[m];
+      const RowChunk& c = chunks[parts[first].chunk];
+      int64_t count = 1;  // the chunk's parts, side by side in the buffer too
+      while (first + count < num_tasks && parts[first + count].chunk == parts[first].chunk) ++count;
+      const int64_t vectors = c.len * num_heads, part_floats = vectors * (a.head_dim + 2);
+      const float* const part0 = partials.data() + parts[first].partial;
+      float* const sum_v = acc.data();
+      for (int64_t v = 0; v < vectors; ++v) {
+        float max = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < count; ++p)
+          max = std::max(max, part0[p * part_floats + vectors * a.head_dim + v]);
+        std::fill(sum_v, sum_v + a.head_dim, 0.f);
+        float total = 0.f;
+        for (int64_t p = 0; p < count; ++p) {
+          const float* part = part0 + p * part_floats;
+          const float sum = part[vectors * (a.head_dim + 1) + v];
+          if (sum == 0.f) continue;  // the row ends before this part
+          const float w = std::exp(part[vectors * a.head_dim + v] - max);
+          total += sum * w;
+          for (int64_t d = 0; d < a.head_dim; ++d) sum_v[d] += part[v * a.head_dim + d] * w;
+        }
+        store_scaled(a.out_ptr + (c.row0 + v / num_heads) * a.out_stride + v % num_heads * a.head_dim, sum_v,
+                     1.f / total, a.head_dim);
+      }
+    }
+    // The scores of a long prompt's rows (up to rows x heads x context floats) are not kept.
+    if (scores.size() > kKeptScores) std::vector<float>().swap(scores);
+  }
+  bad.check(a.num_blocks);
+}
+
+template void row_attention<float>(const AttentionArgs<float>&, const std::vector<RowChunk>&);
+template void row_attention<c10::BFloat16>(const AttentionArgs<c10::BFloat16>&, const std::vector<RowChunk>&);
+template void row_attention<c10::Half>(const AttentionArgs<c10::Half>&, const std::vector<RowChunk>&);
+
+}  // namespace pagedserve::cpu

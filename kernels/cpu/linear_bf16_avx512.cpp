@@ -1,0 +1,272 @@
+// The bf16 linear on AVX-512 BF16 (see linear.h): vdpbf16ps multiplies a packed line of W by a pair of x
+// broadcast to all 16 lanes (a 32-bit broadcast folded into its memory operand), so one load of W feeds 16
+// outputs of each row. Up to kMaxRows rows a pass over a block, their sums in the 32 zmm registers. The
+// vector layer has no bf16 pair product: this family is AVX-512 BF16's own.
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <array>
+#include <utility>
+
+#include "block_runs.h"
+#include "linear.h"
+#include "prefetch.h"
+
+#if defined(__AVX512BF16__)
+
+namespace pagedserve::cpu {
+namespace {
+
+// Rows of x computed against one pass over a W block: their sums and the W line stay in the 32 zmm
+// registers (the x pairs take none: see dot_pair). More rows are split into balanced chunks, each rereading
+// the block from L1 or L2.
+constexpr int kMaxRows = 30;
+// The passes of 9 rows and more prefetch W further ahead: where the dot products are fast, they wait on
+// memory more than on the products.
+constexpr int64_t kBlockPrefetchBytes = 8192;
+
+// acc + w . (the pair of x at p, broadcast to all 16 lanes): one vdpbf16ps, the pair its {1to16} memory
+// operand, so the load unit broadcasts it. NOTE: written in asm because GCC does not fold the broadcast
+// into vdpbf16ps: from _mm512_set1_epi32 it emits a vpbroadcastd of its own, which takes a vector pipe
+// next to the dot products.
+using AliasedPair = int32_t __attribute__((may_alias));
+inline __m512 dot_pair(__m512 acc, __m512bh w, const c10::BFloat16* p) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const AliasedPair*>(p)));
+  return acc;
+}
+
+// One block of 16 output columns for ROWS rows of x. U independent sets of sums over interleaved K pairs
+// hide the latency of vdpbf16ps when ROWS alone gives too few independent chains (fewer than 8 rows).
+// NOTE: the `GCC unroll` pragmas keep every sum in a register: past 16 iterations GCC stops unrolling the
+// row loops on its own, and acc[] then lives on the stack (twice as slow at 20 rows).
+template <int ROWS, int U>
+void block_kernel(const c10::BFloat16* w, const c10::BFloat16* x, int64_t ldx, int64_t pairs,
+                  const __m512 bias, c10::BFloat16* y, int64_t ldy, __mmask16 cols) {
+  __m512 acc[U][ROWS];
+#pragma GCC unroll 32
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 32
+    for (int r = 0; r < ROWS; ++r) acc[u][r] = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + U <= pairs; p += U) {
+    for (int u = 0; u < U; ++u) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (p + u) * 2 * kBlock) + kBlockPrefetchBytes,
+                   _MM_HINT_T1);
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (p + u) * 2 * kBlock);
+#pragma GCC unroll 32
+      for (int r = 0; r < ROWS; ++r) acc[u][r] = dot_pair(acc[u][r], wv, x + r * ldx + 2 * (p + u));
+    }
+  }
+  for (; p < pairs; ++p) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + p * 2 * kBlock);
+#pragma GCC unroll 32
+    for (int r = 0; r < ROWS; ++r) acc[0][r] = dot_pair(acc[0][r], wv, x + r * ldx + 2 * p);
+  }
+#pragma GCC unroll 32
+  for (int r = 0; r < ROWS; ++r) {
+    __m512 sum = _mm512_add_ps(acc[0][r], bias);
+    for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][r]);
+    // vcvtneps2bf16 rounds to nearest even, as PyTorch's float -> bf16 conversion does.
+    _mm256_mask_storeu_epi16(y + r * ldy, cols, (__m256i)_mm512_cvtneps_pbh(sum));
+  }
+}
+
+using BlockFn = void (*)(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, __m512, c10::BFloat16*,
+                         int64_t, __mmask16);
+
+// About eight independent chains of sums in flight: vdpbf16ps has a latency of several cycles and the
+// loop issues about one per cycle.
+template <int ROWS>
+constexpr int unroll() {
+  return ROWS >= 8 ? 1 : (8 + ROWS - 1) / ROWS;
+}
+
+template <int... R>
+constexpr auto make_table(std::integer_sequence<int, R...>) {
+  return std::array<BlockFn, sizeof...(R)>{&block_kernel<R + 1, unroll<R + 1>()>...};
+}
+constexpr auto kKernels = make_table(std::make_integer_sequence<int, kMaxRows>{});
+
+// block_kernel for S blocks at once, `step` blocks apart in W and in y: S streams from memory. A core reads
+// faster from several sequential streams than from one, which counts where rows are few and the weights'
+// stream sets the time. U sets of sums per block, as in block_kernel. kL2: W prefetched into L2, a single
+// row too; else into L1, a single row not at all (see reads_ahead_into_l2).
+template <int S, int ROWS, int U, bool kL2>
+void block_kernel_streams(const c10::BFloat16* w, int64_t step, const c10::BFloat16* x, int64_t ldx,
+                          int64_t pairs, const __m512* bias, c10::BFloat16* y, int64_t ldy,
+                          const __mmask16* cols) {
+  const int64_t w_step = step * pairs * 2 * kBlock;
+  constexpr int64_t ahead = S >= 4 ? (ROWS == 1 && !kL2 ? 0 : kFourStreamPrefetchBytes) : kPrefetchBytes;
+  constexpr Fetch kFetch = kL2 ? Fetch::kReadL2 : Fetch::kRead;
+  __m512 acc[S][U][ROWS];
+#pragma GCC unroll 32
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 32
+    for (int u = 0; u < U; ++u)
+#pragma GCC unroll 32
+      for (int r = 0; r < ROWS; ++r) acc[s][u][r] = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + U <= pairs; p += U) {
+#pragma GCC unroll 32
+    for (int u = 0; u < U; ++u) {
+#pragma GCC unroll 32
+      for (int s = 0; s < S; ++s) {
+        const c10::BFloat16* line = w + s * w_step + (p + u) * 2 * kBlock;
+        if constexpr (ahead > 0) prefetch_line(reinterpret_cast<const char*>(line) + ahead, kFetch);
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(line);
+#pragma GCC unroll 32
+        for (int r = 0; r < ROWS; ++r) acc[s][u][r] = dot_pair(acc[s][u][r], wv, x + r * ldx + 2 * (p + u));
+      }
+    }
+  }
+  for (; p < pairs; ++p)
+#pragma GCC unroll 32
+    for (int s = 0; s < S; ++s) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + s * w_step + p * 2 * kBlock);
+#pragma GCC unroll 32
+      for (int r = 0; r < ROWS; ++r) acc[s][0][r] = dot_pair(acc[s][0][r], wv, x + r * ldx + 2 * p);
+    }
+#pragma GCC unroll 32
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 32
+    for (int r = 0; r < ROWS; ++r) {
+      __m512 sum = _mm512_add_ps(acc[s][0][r], bias[s]);
+      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[s][u][r]);
+      _mm256_mask_storeu_epi16(y + s * step * kBlock + r * ldy, cols[s], (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+}
+
+using StreamsFn = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, int64_t,
+                           const __m512*, c10::BFloat16*, int64_t, const __mmask16*);
+// Rows up to which a thread streams its blocks as four streams, and as two (block_kernel_streams); more
+// rows are bound by the dot products rather than by memory.
+constexpr int kFourStreamRows = 4;
+constexpr int kTwoStreamRows = 8;
+// About eight independent chains of sums per step, as unroll() for block_kernel.
+template <int S, bool kL2, int... R>
+constexpr auto make_streams_table(std::integer_sequence<int, R...>) {
+  return std::array<StreamsFn, sizeof...(R)>{
+      &block_kernel_streams<S, R + 1, (8 + S * (R + 1) - 1) / (S * (R + 1)), kL2>...};
+}
+// Indexed by reads_ahead_into_l2(), then by rows - 1.
+constexpr std::array kStreams4 = {
+    make_streams_table<4, false>(std::make_integer_sequence<int, kFourStreamRows>{}),
+    make_streams_table<4, true>(std::make_integer_sequence<int, kFourStreamRows>{})};
+constexpr std::array kStreams2 = {
+    make_streams_table<2, false>(std::make_integer_sequence<int, kTwoStreamRows>{}),
+    make_streams_table<2, true>(std::make_integer_sequence<int, kTwoStreamRows>{})};
+
+// m rows are computed in chunks of at most kMaxRows rows, as even as possible, and the chunks in groups of
+// kGroupChunks: a thread runs all its blocks over one group's rows, then the next group's, so that a
+// prompt's x is read from L2 (a group's rows of the SmolLM2 MLP's down: 120 x 3 KB) instead of from L3 once
+// per block. A row's chunk, and so its bits, do not depend on the grouping.
+constexpr int64_t kGroupChunks = 4;
+
+// Calls f(c0, c1) for the groups of chunks c0 .. c1 - 1 of m rows.
+template <typename F>
+inline void for_row_groups(int64_t m, F&& f) {
+  const int64_t chunks = (m + kMaxRows - 1) / kMaxRows;
+  for (int64_t c0 = 0; c0 < chunks; c0 += kGroupChunks) f(c0, std::min(chunks, c0 + kGroupChunks));
+}
+
+// The first row of chunk c of m rows (c = the number of chunks: m).
+inline int64_t row_chunk_begin(int64_t m, int64_t c) { return m * c / ((m + kMaxRows - 1) / kMaxRows); }
+
+// Calls f(r0, rows) for chunks c0 .. c1 - 1 of m rows.
+template <typename F>
+inline void for_row_chunks(int64_t m, int64_t c0, int64_t c1, F&& f) {
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t r0 = row_chunk_begin(m, c);
+    f(r0, row_chunk_begin(m, c + 1) - r0);
+  }
+}
+
+}  // namespace
+
+void linear_bf16dot(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w, int64_t pairs,
+                    int64_t n, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), blocks));
+  // Up to kTwoStreamRows rows, the threads share the blocks out as runs (see BlockRuns), each run read as
+  // four streams side by side (up to four rows; two up to eight), block i of each stream together; then
+  // the blocks the streams leave over, one at a time. More rows: each thread its contiguous run of blocks,
+  // a sequential stream of W.
+  const int64_t streams = m <= kFourStreamRows ? 4 : 2;
+  BlockRuns runs(blocks, threads, streams);
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const auto cols_of = [&](int64_t b) { return block_cols(n, b); };
+    const auto bias_of = [&](int64_t b) { return bias_block(bias, b, cols_of(b)); };
+    if (m <= kTwoStreamRows) {
+      const int l2 = reads_ahead_into_l2() ? 1 : 0;
+      const StreamsFn step = streams == 4 ? kStreams4[l2][m - 1] : kStreams2[l2][m - 1];
+      runs.work(t, [&](int r, int64_t u, int64_t) {
+        int64_t first, part;
+        if (!runs.parts_of(r, u, first, part)) {
+          kKernels[m - 1](w + first * pairs * 2 * kBlock, x, ldx, pairs, bias_of(first), y + first * kBlock,
+                          ldy, cols_of(first));
+          return;
+        }
+        __m512 biases[4];
+        __mmask16 cols[4];
+        for (int s = 0; s < streams; ++s)
+          biases[s] = bias_of(first + s * part), cols[s] = cols_of(first + s * part);
+        step(w + first * pairs * 2 * kBlock, part, x, ldx, pairs, biases, y + first * kBlock, ldy, cols);
+      });
+    } else {
+      const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+      for_row_groups(m, [&](int64_t c0, int64_t c1) {
+        for (int64_t j = b0; j < b1; ++j) {
+          const c10::BFloat16* wb = w + j * pairs * 2 * kBlock;
+          const __m512 bias_f32 = bias_of(j);
+          for_row_chunks(m, c0, c1, [&](int64_t r0, int64_t rows) {
+            kKernels[rows - 1](wb, x + r0 * ldx, ldx, pairs, bias_f32, y + r0 * ldy + j * kBlock, ldy,
+                               cols_of(j));
+          });
+        }
+      });
+    }
+  }
+}
+
+// silu_mul(x @ W^T + bias) for a gate_up W of N = 2 * size (gate first) and size a multiple of kBlock: gate
+// block j for a group's rows (see kGroupChunks) into a thread's strip, then up block size / kBlock + j, whose
+// rows are multiplied with the strip's as they come out; only the product is written, out [m, size]. The same
+// roundings as linear then silu_mul, without writing and reading back the [m, 2 * size] product, and without
+// a parallel region of its own.
+void linear_silu_bf16dot(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w,
+                         int64_t pairs, int64_t size, const c10::BFloat16* bias, c10::BFloat16* out,
+                         int64_t ld_out) {
+  const int64_t half = size / kBlock, block_elems = pairs * 2 * kBlock;
+  const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), half));
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    alignas(64) c10::BFloat16 gate[kGroupChunks * kMaxRows * kBlock], up[kMaxRows * kBlock];
+    for_row_groups(m, [&](int64_t c0, int64_t c1) {
+      const int64_t g0 = row_chunk_begin(m, c0);  // the group's first row, gate's row 0
+      for (int64_t j = half * t / nt; j < half * (t + 1) / nt; ++j) {
+        const __m512 bias_gate = bias_block(bias, j, 0xFFFF), bias_up = bias_block(bias, half + j, 0xFFFF);
+        for_row_chunks(m, c0, c1, [&](int64_t r0, int64_t rows) {
+          kKernels[rows - 1](w + j * block_elems, x + r0 * ldx, ldx, pairs, bias_gate,
+                             gate + (r0 - g0) * kBlock, kBlock, 0xFFFF);
+        });
+        for_row_chunks(m, c0, c1, [&](int64_t r0, int64_t rows) {
+          kKernels[rows - 1](w + (half + j) * block_elems, x + r0 * ldx, ldx, pairs, bias_up, up, kBlock,
+                             0xFFFF);
+          for (int64_t r = 0; r < rows; ++r)
+            silu_mul_block(out + (r0 + r) * ld_out + j * kBlock, gate + (r0 - g0 + r) * kBlock,
+                           up + r * kBlock);
+        });
+      }
+    });
+  }
+}
+
+int64_t bf16dot_silu_rows(int64_t m) { return m > kTwoStreamRows ? m : 0; }
+
+}  // namespace pagedserve::cpu
+
+#endif  // __AVX512BF16__
