@@ -99,16 +99,6 @@ def test_seed_override_replaces_the_request_seed():
     assert SlotSamplingState.from_proto(common_pb2.SamplingParams(), [1], seed_override=3).seed == 3
 
 
-def test_check_refuses_out_of_range_parameters():
-    SlotSamplingState(logit_bias={VOCAB - 1: 1.0}).check(VOCAB)
-    with pytest.raises(ValueError, match="logit_bias"):
-        SlotSamplingState(logit_bias={VOCAB: 1.0}).check(VOCAB)
-    with pytest.raises(ValueError, match="top_p"):
-        SlotSamplingState(top_p=0.0).check(VOCAB)
-    with pytest.raises(ValueError, match="repetition_penalty"):
-        SlotSamplingState(repetition_penalty=0.0).check(VOCAB)
-
-
 # --- metadata ----------------------------------------------------------------------------------
 
 

@@ -473,6 +473,14 @@ REFUSED_REQUESTS = {
         f"token id {TINY_VOCAB} is outside the vocabulary",
     ),
     "bad sampling parameter": (lambda: new_request(4, [1, 2], top_p=0.0), "top_p must be in (0, 1]"),
+    "logit bias outside the vocabulary": (
+        lambda: new_request(4, [1, 2], logit_bias={TINY_VOCAB: 1.0}),
+        f"logit_bias token id {TINY_VOCAB} is out of the vocabulary",
+    ),
+    "negative penalty": (
+        lambda: new_request(4, [1, 2], repetition_penalty=0.0),
+        "repetition_penalty must be a finite number > 0",
+    ),
 }
 
 

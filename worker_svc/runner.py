@@ -17,10 +17,15 @@ import torch
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.v1 import common_pb2, worker_pb2
+from pagedserve.validation import Limits, check_sampling
 from pagedserve.worker_svc.kv_cache import KVCache
 from pagedserve.worker_svc.model import CausalLM
 from pagedserve.worker_svc.sampler import Sampler, SamplingMetadata, SlotSamplingState, compute_logprobs
 from pagedserve.worker_svc.step_inputs import SlotArrays, StepInputs, as_tensor
+
+# A plan is input too: the worker checks each new request's sampling as the scheduler did, against the same
+# limits but for `n`, which the scheduler bounds by its own --max-num-seqs (forks arrive one per slot).
+_WORKER_LIMITS = Limits(max_n=(1 << 32) - 1)
 
 # Slots are small integers picked by the scheduler; this bounds the per-slot arrays.
 MAX_SLOTS = 1 << 16
@@ -374,9 +379,9 @@ class ModelRunner:
         if max(req.token_ids) >= self.vocab_size:
             return f"token id {max(req.token_ids)} is outside the vocabulary ({self.vocab_size})"
         try:
-            _sampling_state(req).check(self.vocab_size)
-        except ValueError as exc:
-            return str(exc)
+            check_sampling(req.sampling, limits=_WORKER_LIMITS, vocab_size=self.vocab_size)
+        except InvalidRequestError as exc:
+            return exc.message
         return None
 
     def _refusals(self, plan: worker_pb2.StepPlan) -> dict[int, str]:

@@ -83,20 +83,6 @@ class SlotSamplingState:
             output_token_ids=list(output_token_ids),
         )
 
-    def check(self, vocab_size: int) -> None:
-        """Raises ValueError naming the first parameter out of range (the runner refuses the plan)."""
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for token in self.logit_bias:
-            if not 0 <= token < vocab_size:
-                raise ValueError(f"logit_bias token id {token} is outside the vocabulary ({vocab_size})")
-
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
