@@ -246,10 +246,12 @@ class Stack:
         return open_sync_channel(self.engine_address, self.client_tls, auth=self.client_auth)
 
     def engine_stats(self, timeout: float = 30.0) -> engine_pb2.EngineStats:
+        # wait_for_ready: a connection attempt that fails while the machine is loaded is tried again until
+        # the deadline, rather than answered UNAVAILABLE at once.
         with self.engine_channel() as channel:
             return (
                 engine_pb2_grpc.EngineServiceStub(channel)
-                .GetStats(engine_pb2.GetStatsRequest(), timeout=timeout)
+                .GetStats(engine_pb2.GetStatsRequest(), timeout=timeout, wait_for_ready=True)
                 .stats
             )
 
