@@ -2,7 +2,8 @@
 # `make gpu-check`: everything that needs a GPU, in one run on a fresh machine without internet.
 #   1. report what is there (GPU, python, torch, CuPy, nvcc, wheels carried in .whl/)
 #   2. install torch (CUDA) / CuPy from .whl/ if missing, and the project itself (--no-deps)
-#   3. compile every kernel (NVRTC, in parallel, warming CuPy's cache), run tests/test_kernels_cuda.py
+#   3. compile every kernel (NVRTC, in parallel, warming CuPy's cache), run the GPU tests (the kernels,
+#      the runner on CUDA against the CPU's, the sampler), failing if any of them skips
 #   4. the kernel benchmark (tables + plot)
 #   5. the end-to-end decode check (random-weight Llama-shaped model, CUDA vs reference)
 # Results go to $OUT (or bench/results); each stage has its own time limit, the whole well under 10 min.
@@ -90,8 +91,16 @@ cuda_ops._cupy()
 import cupy; print('cupy', cupy.__version__, 'runtime', cupy.cuda.runtime.runtimeGetVersion())"
 
 # (The nvcc compile test is the CI check and runs without a GPU; it is not repeated here.)
-stage "kernel tests vs reference" 300 $PY -m pytest -q -p no:cacheprovider --maxfail 20 --timeout 280 tests/test_kernels_cuda.py \
-  --junitxml "$OUT_DIR/test_kernels_cuda.xml"
+# The GPU tests: the kernels against the reference, the runner on CUDA against the CPU's, the sampler on
+# CUDA. A skipped test counts as a failure here: a GPU check that skips (no CuPy, no device) proves nothing.
+stage "GPU tests" 330 $PY -m pytest -q -p no:cacheprovider --maxfail 20 --timeout 300 -m cuda -rs \
+  tests/test_kernels_cuda.py tests/test_cuda_runner.py tests/test_sampler.py --junitxml "$OUT_DIR/gpu_tests.xml"
+stage "no GPU test skipped" 10 $PY -c '
+import sys, xml.etree.ElementTree as ET
+counts = [(int(s.get("tests", 0)), int(s.get("skipped", 0))) for s in ET.parse(sys.argv[1]).getroot().iter("testsuite")]
+tests, skipped = sum(t for t, _ in counts), sum(s for _, s in counts)
+print(f"{tests} GPU tests, {skipped} skipped")
+sys.exit(1 if skipped or not tests else 0)' "$OUT_DIR/gpu_tests.xml"
 stage "kernel benchmark" 240 $PY bench/bench_kernels.py --out "$OUT_DIR/bench_kernels.md" --plot "$OUT_DIR/bench_kernels.png"
 stage "end-to-end decode" 180 $PY bench/gpu_e2e.py
 say "done: status=$status, results in $OUT_DIR"

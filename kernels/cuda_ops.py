@@ -6,6 +6,11 @@ The kernels in kernels/*.cu are compiled at run time with NVRTC through CuPy (Ra
 template instantiation, cached in memory and by CuPy on disk) and launched on torch's current stream with
 torch's raw device pointers: no copy, no DLPack round trip, no extra synchronisation.
 
+CudaOps prepares each launch (checks, metadata, grid, arguments) and hands it to a KernelLauncher:
+CupyLauncher on a GPU. The tests run the same preparation on the CPU, under torch.inference_mode() as the
+worker does, with a launcher that executes each launch in PyTorch from its grid and arguments
+(tests/cuda_emulation.py), so the glue is checked where no GPU is.
+
 CuPy is an optional extra and is imported only when a kernel is first needed, so importing this module on a
 machine without CuPy or without a GPU works; calling an op there raises CudaOpsUnavailable naming the
 package that would fix it.
@@ -22,7 +27,7 @@ import weakref
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -30,7 +35,15 @@ import torch
 from pagedserve.kernels.ops import check_attention, check_copy_blocks, check_write_kv, int32
 from pagedserve.kernels.reference import ReferenceOps
 
-__all__ = ["CudaOps", "CudaOpsUnavailable", "is_available", "paged_decode_attention_splits"]
+__all__ = [
+    "CudaOps",
+    "CudaOpsUnavailable",
+    "CupyLauncher",
+    "DevicePointers",
+    "KernelLauncher",
+    "is_available",
+    "unsupported_reason",
+]
 
 KERNEL_DIR = Path(__file__).resolve().parent
 CU_FILES = ("cache_ops.cu", "decode_attention.cu", "prefill_attention.cu")
@@ -51,9 +64,13 @@ PREFILL_BK = 32
 MIN_SPLIT_TOKENS = 512  # a split-K partition shorter than this costs more in merging than it gains
 MAX_SPLITS = 64
 
-# NOTE: no --use_fast_math: __expf and flush-to-zero cost accuracy against the float32 reference, and the
-# kernels are memory-bound anyway.
+# NOTE: no --use_fast_math (its __expf costs accuracy against the float32 reference, and the kernels are
+# memory-bound anyway). CuPy appends -ftz=true to every NVRTC compile, after these options, so subnormal
+# float32 values flush to zero whatever is asked here: harmless for attention, whose subnormal terms are
+# below float32's resolution of the sums they join (the tests compare against a float64 oracle).
 NVRTC_OPTIONS = ("-std=c++17",)
+# Shared memory a kernel may use without opting in (cudaFuncAttributeMaxDynamicSharedMemorySize).
+DEFAULT_SHARED_MEMORY = 48 * 1024
 
 
 class CudaOpsUnavailable(RuntimeError):
@@ -250,17 +267,28 @@ def precompile(items: list[Entry], workers: int | None = None) -> None:
 # ---- launch helpers -------------------------------------------------------------------------------------
 
 
+def unsupported_reason(head_size: int, block_size: int, dtype: torch.dtype) -> str | None:
+    """Why the kernels cannot serve a model of this head size, KV block size and dtype, or None: the worker
+    asks at load, so that a shape they lack fails there rather than at the first request."""
+    if dtype not in DTYPE_TAGS:
+        return f"CUDA kernels support {[str(d) for d in DTYPE_TAGS]}, not {dtype}"
+    if head_size not in HEAD_SIZES:
+        return f"CUDA kernels support head sizes {HEAD_SIZES}, not {head_size}"
+    if block_size not in BLOCK_SIZES:
+        return f"CUDA kernels support block sizes {BLOCK_SIZES}, not {block_size}"
+    return None
+
+
 def _tag(dtype: torch.dtype) -> str:
     if dtype not in DTYPE_TAGS:
-        raise NotImplementedError(f"CUDA kernels support {list(DTYPE_TAGS)}, not {dtype}")
+        raise NotImplementedError(unsupported_reason(HEAD_SIZES[0], BLOCK_SIZES[0], dtype))
     return DTYPE_TAGS[dtype]
 
 
 def _check_shape(head_size: int, block_size: int) -> None:
-    if head_size not in HEAD_SIZES:
-        raise NotImplementedError(f"CUDA kernels support head sizes {HEAD_SIZES}, not {head_size}")
-    if block_size not in BLOCK_SIZES:
-        raise NotImplementedError(f"CUDA kernels support block sizes {BLOCK_SIZES}, not {block_size}")
+    reason = unsupported_reason(head_size, block_size, torch.float32)
+    if reason is not None:
+        raise NotImplementedError(reason)
 
 
 def _check_cache(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[str, int, int]:
@@ -275,10 +303,6 @@ def _check_cache(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return tag, block_size, num_kv_heads
 
 
-def _ptr(t: torch.Tensor) -> np.uint64:
-    return np.uint64(t.data_ptr())
-
-
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """Contiguous and 16-byte aligned (the kernels load 16-byte vectors)."""
     t = t.contiguous()
@@ -287,11 +311,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 def _int64(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device=device, dtype=torch.int64).contiguous()
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _device_index(device: torch.device) -> int:
@@ -318,13 +337,89 @@ def _external_stream(cupy: Any, ptr: int, index: int) -> Any:
     return cupy.cuda.ExternalStream(ptr, index)
 
 
-def _launch(device: torch.device, entry: Entry, grid, block, args, shared_mem: int = 0) -> None:
-    cupy = _cupy()
-    index = _device_index(device)
-    kernel = _kernel(entry, index)
-    stream = torch.cuda.current_stream(index).cuda_stream
-    with cupy.cuda.Device(index), _external_stream(cupy, stream, index):
-        kernel(grid, block, args, shared_mem=shared_mem)
+@dataclass(frozen=True, slots=True)
+class DevicePointers:
+    """A kernel argument that is a device array of the tensors' data pointers (copy_blocks' caches)."""
+
+    tensors: tuple[torch.Tensor, ...]
+
+
+class KernelLauncher(Protocol):
+    """Runs one kernel launch that CudaOps prepared. `args` are the kernel's parameters in order: tensors
+    (passed as their data pointers), DevicePointers, and numpy scalars of the parameter's C type."""
+
+    def prepare(self, device: torch.device) -> None:
+        """Fails unless kernels can be launched on `device` (CudaOps' constructor calls it)."""
+        ...
+
+    def num_sms(self, device: torch.device) -> int:
+        """Streaming multiprocessors of the device (the decode attention's split-K heuristic reads it)."""
+        ...
+
+    def launch(
+        self,
+        device: torch.device,
+        entry: Entry,
+        grid: tuple[int, ...],
+        block: tuple[int, ...],
+        args: tuple[Any, ...],
+        shared_mem: int = 0,
+    ) -> None: ...
+
+
+class CupyLauncher:
+    """Launches through CuPy on torch's current stream of the tensors' device."""
+
+    def prepare(self, device: torch.device) -> None:
+        _kernel(write_kv_entry(16), _device_index(device))
+
+    def num_sms(self, device: torch.device) -> int:
+        return _num_sms(_device_index(device))
+
+    def launch(
+        self,
+        device: torch.device,
+        entry: Entry,
+        grid: tuple[int, ...],
+        block: tuple[int, ...],
+        args: tuple[Any, ...],
+        shared_mem: int = 0,
+    ) -> None:
+        cupy = _cupy()
+        index = _device_index(device)
+        kernel = _kernel(entry, index)
+        stream = torch.cuda.current_stream(index).cuda_stream
+        # Pointer tables stay referenced until the launch is queued; the caching allocator orders their reuse
+        # after it on this stream.
+        tables = [_pointer_table(a, device) for a in args if isinstance(a, DevicePointers)]
+        raw = _raw_args(args, iter(tables))
+        with cupy.cuda.Device(index), _external_stream(cupy, stream, index):
+            # The attribute is the function's on the device whose context is current: the worker's, here.
+            if shared_mem > DEFAULT_SHARED_MEMORY and kernel.max_dynamic_shared_size_bytes < shared_mem:
+                kernel.max_dynamic_shared_size_bytes = shared_mem
+            kernel(grid, block, raw, shared_mem=shared_mem)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _pointer_table(pointers: DevicePointers, device: torch.device) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in pointers.tensors], dtype=torch.int64).to(device)
+
+
+def _raw_args(args: tuple[Any, ...], tables: Any) -> tuple[Any, ...]:
+    """Tensors as their data pointers, DevicePointers as their tables' (in order), scalars as they are."""
+    raw = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            raw.append(np.uint64(a.data_ptr()))
+        elif isinstance(a, DevicePointers):
+            raw.append(np.uint64(next(tables).data_ptr()))
+        else:
+            raw.append(a)
+    return tuple(raw)
 
 
 def _copy_unit(*byte_quantities: int) -> int:
@@ -361,87 +456,33 @@ def choose_num_splits(num_ctas: int, max_blocks: int, block_size: int, num_sms: 
     return max(1, min(math.ceil(target / num_ctas), max_tokens // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
-def paged_decode_attention_splits(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    num_splits: int | None,
-) -> torch.Tensor:
-    """paged_decode_attention with an explicit split-K count (None: the heuristic). Tests and the benchmark
-    force both paths through this."""
-    check_attention(query, k_cache, v_cache, block_tables, context_lens)
-    batch, num_q_heads, head_size = query.shape
-    tag, block_size, num_kv_heads = _check_cache(query, k_cache, v_cache)
-    device = k_cache.device
-    if batch == 0:
-        return torch.empty_like(query)
-    out_dtype = query.dtype
-    query = _aligned(query.to(k_cache.dtype))
-    tables = int32(block_tables, device)
-    lens = int32(context_lens, device)
-    max_blocks = tables.shape[1]
-
-    group = num_q_heads // num_kv_heads
-    gmax = group_tile(group)
-    n_sub = math.ceil(group / gmax)
-    num_ctas = batch * num_kv_heads * n_sub
-    if num_splits is None:
-        num_splits = choose_num_splits(num_ctas, max_blocks, block_size, _num_sms(_device_index(device)))
-    num_splits = max(1, min(num_splits, max_blocks))
-    blocks_per_split = math.ceil(max_blocks / num_splits)
-    num_splits = math.ceil(max_blocks / blocks_per_split)
-
-    out = torch.empty_like(query)
-    if num_splits > 1:
-        part_out = torch.empty(batch, num_q_heads, num_splits, head_size, device=device, dtype=torch.float32)
-        part_lse = torch.empty(batch, num_q_heads, num_splits, device=device, dtype=torch.float32)
-    else:
-        part_out = part_lse = out  # unused by the kernel
-    args = (
-        _ptr(out),
-        _ptr(part_out),
-        _ptr(part_lse),
-        _ptr(query),
-        _ptr(k_cache),
-        _ptr(v_cache),
-        _ptr(tables),
-        _ptr(lens),
-        np.float32(scale),
-        np.int32(num_q_heads),
-        np.int32(num_kv_heads),
-        np.int32(max_blocks),
-        np.int32(blocks_per_split),
-    )
-    grid = (num_kv_heads * n_sub, batch, num_splits)
-    _launch(device, decode_entry(tag, head_size, block_size, gmax), grid, (DECODE_THREADS,), args)
-    if num_splits > 1:
-        merge_args = (_ptr(out), _ptr(part_out), _ptr(part_lse), np.int32(num_splits), np.int32(head_size))
-        _launch(device, merge_entry(tag), (batch * num_q_heads,), (128,), merge_args)
-    return out.to(out_dtype)
-
-
 # The per-sequence tile offsets of a prefill batch depend only on query_start_loc and the GQA group. The
-# worker passes the same metadata tensor to every layer, so they are computed once per step (on the device,
-# no host sync) and remembered for the tensor object that produced them.
-_tile_cache: dict[tuple[int, int], tuple[weakref.ref, int, torch.Tensor]] = {}
+# worker passes the same metadata tensor to every layer of a step, so they are computed once per step (on the
+# device, no host sync) and remembered for the tensor object that produced them (ops.py: attention metadata
+# is not modified in place between the calls of a step).
+_tile_cache: dict[tuple[int, int], tuple[weakref.ref, int | None, torch.Tensor]] = {}
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's version counter, or None for an inference tensor (made under torch.inference_mode(), as
+    the worker makes its step's metadata), which keeps none: reading it raises."""
+    return None if t.is_inference() else t._version
 
 
 def _tile_offsets(query_start_loc: torch.Tensor, starts: torch.Tensor, group: int) -> torch.Tensor:
     """First tile of each sequence (prefix sum of ceil(q_len * G / ROWS)), int32 [S + 1] on the device.
-    Cached for the caller's query_start_loc object at its current version (an in-place update misses)."""
+    Cached for the caller's query_start_loc object (and version, where it keeps one)."""
     key = (id(query_start_loc), group)
+    version = _version(query_start_loc)
     hit = _tile_cache.get(key)
-    if hit is not None and hit[0]() is query_start_loc and hit[1] == query_start_loc._version:
+    if hit is not None and hit[0]() is query_start_loc and hit[1] == version:
         return hit[2]
     q_lens = (starts[1:] - starts[:-1]).to(torch.int64)
     tiles = (q_lens * group + PREFILL_ROWS - 1) // PREFILL_ROWS
     offsets = torch.zeros(q_lens.numel() + 1, dtype=torch.int32, device=starts.device)
     offsets[1:] = torch.cumsum(tiles, 0).to(torch.int32)
     _tile_cache.clear()  # one live batch at a time
-    _tile_cache[key] = (weakref.ref(query_start_loc), query_start_loc._version, offsets)
+    _tile_cache[key] = (weakref.ref(query_start_loc), version, offsets)
     return offsets
 
 
@@ -459,10 +500,11 @@ class CudaOps(ReferenceOps):
 
     name = "cuda"
 
-    def __init__(self, device: torch.device) -> None:
-        """Fails (CudaOpsUnavailable, or NVRTC's error) unless CuPy loads and can compile and load a kernel on
-        `device`; kernels.get_ops then takes the reference."""
-        _kernel(write_kv_entry(16), _device_index(device))
+    def __init__(self, device: torch.device, launcher: KernelLauncher | None = None) -> None:
+        """Fails (CudaOpsUnavailable, or NVRTC's error) unless the launcher can run kernels on `device`
+        (CuPy's: it loads and compiles one); kernels.get_ops then takes the reference."""
+        self.launcher = launcher or CupyLauncher()
+        self.launcher.prepare(device)
 
     def write_kv(
         self,
@@ -499,16 +541,16 @@ class CudaOps(ReferenceOps):
             v_cache.data_ptr(),
         )
         args = (
-            _ptr(key),
-            _ptr(value),
-            _ptr(k_cache),
-            _ptr(v_cache),
-            _ptr(slots),
+            key,
+            value,
+            k_cache,
+            v_cache,
+            slots,
             np.int64(row_bytes // unit),
             np.int64(key.stride(0) * elsize // unit),
             np.int64(value.stride(0) * elsize // unit),
         )
-        _launch(device, write_kv_entry(unit), (num_tokens,), (128,), args)
+        self.launcher.launch(device, write_kv_entry(unit), (num_tokens,), (128,), args)
 
     def copy_blocks(
         self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
@@ -522,15 +564,15 @@ class CudaOps(ReferenceOps):
         assert all(c.shape == first.shape and c.dtype == first.dtype and c.is_contiguous() for c in caches)
         block_bytes = first[0].numel() * first.element_size()
         unit = _copy_unit(block_bytes, *(c.data_ptr() for c in caches))
-        ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64).to(device)
+        pointers = DevicePointers(tuple(caches))
         # The pair list is small (copy-on-write of a few blocks); reading it on the host costs one sync at
         # most.
         pairs = list(zip(src.tolist(), dst.tolist(), strict=True))
         for wave in _independent_waves(pairs):
             wave_src = torch.tensor([s for s, _ in wave], dtype=torch.int64).to(device)
             wave_dst = torch.tensor([d for _, d in wave], dtype=torch.int64).to(device)
-            args = (_ptr(ptrs), _ptr(wave_src), _ptr(wave_dst), np.int64(block_bytes // unit))
-            _launch(device, copy_blocks_entry(unit), (len(wave), len(caches)), (256,), args)
+            args = (pointers, wave_src, wave_dst, np.int64(block_bytes // unit))
+            self.launcher.launch(device, copy_blocks_entry(unit), (len(wave), len(caches)), (256,), args)
 
     def paged_decode_attention(
         self,
@@ -541,7 +583,74 @@ class CudaOps(ReferenceOps):
         context_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        return paged_decode_attention_splits(query, k_cache, v_cache, block_tables, context_lens, scale, None)
+        return self.paged_decode_attention_splits(
+            query, k_cache, v_cache, block_tables, context_lens, scale, None
+        )
+
+    def paged_decode_attention_splits(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        num_splits: int | None,
+    ) -> torch.Tensor:
+        """paged_decode_attention with an explicit split-K count (None: the heuristic). Tests and the
+        benchmark force both paths through this."""
+        check_attention(query, k_cache, v_cache, block_tables, context_lens)
+        batch, num_q_heads, head_size = query.shape
+        tag, block_size, num_kv_heads = _check_cache(query, k_cache, v_cache)
+        device = k_cache.device
+        if batch == 0:
+            return torch.empty_like(query)
+        out_dtype = query.dtype
+        query = _aligned(query.to(k_cache.dtype))
+        tables = int32(block_tables, device)
+        lens = int32(context_lens, device)
+        max_blocks = tables.shape[1]
+
+        group = num_q_heads // num_kv_heads
+        gmax = group_tile(group)
+        n_sub = math.ceil(group / gmax)
+        num_ctas = batch * num_kv_heads * n_sub
+        if num_splits is None:
+            num_splits = choose_num_splits(num_ctas, max_blocks, block_size, self.launcher.num_sms(device))
+        num_splits = max(1, min(num_splits, max_blocks))
+        blocks_per_split = math.ceil(max_blocks / num_splits)
+        num_splits = math.ceil(max_blocks / blocks_per_split)
+
+        out = torch.empty_like(query)
+        if num_splits > 1:
+            part_out = torch.empty(
+                batch, num_q_heads, num_splits, head_size, device=device, dtype=torch.float32
+            )
+            part_lse = torch.empty(batch, num_q_heads, num_splits, device=device, dtype=torch.float32)
+        else:
+            part_out = part_lse = out  # unused by the kernel
+        args = (
+            out,
+            part_out,
+            part_lse,
+            query,
+            k_cache,
+            v_cache,
+            tables,
+            lens,
+            np.float32(scale),
+            np.int32(num_q_heads),
+            np.int32(num_kv_heads),
+            np.int32(max_blocks),
+            np.int32(blocks_per_split),
+        )
+        grid = (num_kv_heads * n_sub, batch, num_splits)
+        entry = decode_entry(tag, head_size, block_size, gmax)
+        self.launcher.launch(device, entry, grid, (DECODE_THREADS,), args)
+        if num_splits > 1:
+            merge_args = (out, part_out, part_lse, np.int32(num_splits), np.int32(head_size))
+            self.launcher.launch(device, merge_entry(tag), (batch * num_q_heads,), (128,), merge_args)
+        return out.to(out_dtype)
 
     def paged_prefill_attention(
         self,
@@ -568,29 +677,25 @@ class CudaOps(ReferenceOps):
         lens = int32(context_lens, device)
         group = num_q_heads // num_kv_heads
         offsets = _tile_offsets(query_start_loc, starts, group)
-
-        entry = prefill_entry(tag, head_size, block_size)
-        smem = prefill_smem_bytes(head_size)
-        kernel = _kernel(entry, _device_index(device))
-        if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
-            kernel.max_dynamic_shared_size_bytes = smem  # opt in above the 48 KiB default
         # Upper bound on the tiles (sum of ceil(q_len * G / ROWS)); CTAs past the last real tile exit at
         # once.
         grid = (math.ceil(num_tokens * group / PREFILL_ROWS) + num_seqs, num_kv_heads)
         args = (
-            _ptr(out),
-            _ptr(query),
-            _ptr(k_cache),
-            _ptr(v_cache),
-            _ptr(tables),
-            _ptr(starts),
-            _ptr(lens),
-            _ptr(offsets),
+            out,
+            query,
+            k_cache,
+            v_cache,
+            tables,
+            starts,
+            lens,
+            offsets,
             np.int32(num_seqs),
             np.float32(scale),
             np.int32(num_q_heads),
             np.int32(num_kv_heads),
             np.int32(tables.shape[1]),
         )
-        _launch(device, entry, grid, (PREFILL_THREADS,), args, shared_mem=smem)
+        entry = prefill_entry(tag, head_size, block_size)
+        smem = prefill_smem_bytes(head_size)
+        self.launcher.launch(device, entry, grid, (PREFILL_THREADS,), args, shared_mem=smem)
         return out.to(out_dtype)

@@ -154,7 +154,8 @@ class Ops(Protocol):
     ) -> torch.Tensor:
         """Causal attention of a flat batch, query [T, Hq, head_dim], query_start_loc int32 [S + 1]: a
         sequence's rows are its last positions and each sees the positions up to its own (cached context
-        and the step's earlier rows). [T, Hq, head_dim] in query's dtype."""
+        and the step's earlier rows). [T, Hq, head_dim] in query's dtype. The metadata tensors of a step are
+        not modified in place between its calls (a backend may remember what it derived from them)."""
         ...
 
     def copy_blocks(

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedserve.logging import configure_logging, get_logger
+from pagedserve.worker_svc.config import DEFAULT_GPU_MEMORY_UTILIZATION
 
 if TYPE_CHECKING:
     from pagedserve.grpc_utils import ClusterAuth
@@ -84,6 +85,7 @@ class LaunchConfig:
     device: str
     kv_cache_memory: str | None
     num_blocks: int | None
+    gpu_memory_utilization: float
     threads: int | None
     # Passed through to the gateway (None: no authentication); api_keys: more keys, one per tenant.
     api_key: str | None
@@ -131,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="worker torch device")
     parser.add_argument("--kv-cache-memory", default=None, help="KV pool budget per worker, e.g. 2GiB")
     parser.add_argument("--num-blocks", type=int, default=None, help="exact KV blocks per worker")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="on CUDA, the share of each GPU the workers on it may hold (split among workers sharing one)",
+    )
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads per worker (default: the cores shared out)"
     )
@@ -364,13 +372,34 @@ def worker_threads(threads: int | None, workers: int) -> int | None:
 
     NOTE: each worker's default is one OpenMP thread per core, so N workers on one machine would start N
     threads per core, and every barrier of a forward pass then waits for a thread the kernel has taken off
-    its core. `pagedserve serve --workers 2` on 2 cores, `bench serve` at concurrency 16 (256 tokens in,
-    64 out): 14.1 output tokens/s and a median time per output token of 1012 ms with the default, 78.4
-    and 81 ms with one thread each.
+    its core (docs/performance.md has the measurement).
     """
     if threads is not None or workers == 1:
         return threads
     return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
+def gpu_placement(
+    device: str, workers: int, utilization: float, device_count: Callable[[], int]
+) -> list[tuple[str, float | None]]:
+    """Each worker's --device and --gpu-memory-utilization. `cuda` (and `auto` with several workers, where
+    CUDA devices are visible) places the workers round robin over the visible GPUs, and workers that share
+    a GPU split its utilization evenly, so that each sizes its KV pool from its own share rather than from
+    whatever the others left free. A named device (cuda:1, cpu) is every worker's; None: the flag's
+    default."""
+    if device not in ("cuda", "auto") or (device == "auto" and workers == 1):
+        return [(device, utilization if device.startswith("cuda") else None)] * workers
+    count = device_count()
+    if count == 0:
+        return [(device, None)] * workers
+    per_gpu = [len(range(g, workers, count)) for g in range(count)]
+    return [(f"cuda:{i % count}", utilization / per_gpu[i % count]) for i in range(workers)]
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _tls_args(certs, server: bool) -> list[str]:
@@ -394,12 +423,16 @@ def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, sched
         if value is not None:
             scheduler += [flag, str(value)]
     workers = []
-    for i in range(config.workers):
+    placement = gpu_placement(
+        config.device, config.workers, config.gpu_memory_utilization, _cuda_device_count
+    )
+    for i, (device, utilization) in enumerate(placement):
         worker = ["worker", "--model", model_dir, "--host", LOOPBACK, "--port", "0"]
         worker += ["--scheduler", engine_address, "--worker-id", f"worker-{i}", "--dtype", config.dtype]
-        worker += ["--device", config.device, "--block-size", str(config.block_size), *level]
+        worker += ["--device", device, "--block-size", str(config.block_size), *level]
         worker += _tls_args(certs, server=True)
         for flag, value in [
+            ("--gpu-memory-utilization", utilization),
             ("--kv-cache-memory", config.kv_cache_memory),
             ("--num-blocks", config.num_blocks),
             ("--threads", worker_threads(config.threads, config.workers)),

@@ -146,7 +146,7 @@ def _check_decode(shape, lens, *, splits=(None, 1, 3), share_prefix=0, seed=0) -
     scale = head**-0.5
     expected = REFERENCE.paged_decode_attention(query, cache.k, cache.v, cache.tables, cache.lens, scale)
     for num_splits in splits:
-        out = cuda_ops.paged_decode_attention_splits(
+        out = CUDA.paged_decode_attention_splits(
             query, cache.k, cache.v, cache.tables, cache.lens, scale, num_splits
         )
         _close(out, expected, dtype)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from pagedserve.kernels.ops import Ops
 from pagedserve.v1 import common_pb2, worker_pb2
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec
 from pagedserve.worker_svc.loader import load_model
@@ -16,12 +18,13 @@ TINY_VOCAB = 128
 EOS = 1
 
 
-def save_tiny_llama(path: Path, seed: int = 0) -> Path:
+def save_tiny_llama(path: Path, seed: int = 0, head_dim: int = 16) -> Path:
     """A 2-layer GQA Llama with random weights (large enough that greedy text is not one token
-    repeated), saved as safetensors with a generation config."""
+    repeated), saved as safetensors with a generation config. Its head size is 16 unless asked (the CUDA
+    kernels take 64 and more)."""
     config = LlamaConfig(
         vocab_size=TINY_VOCAB,
-        hidden_size=64,
+        hidden_size=4 * head_dim,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -44,15 +47,58 @@ def save_tiny_llama(path: Path, seed: int = 0) -> Path:
 
 
 def make_runner(
-    model_dir: Path, num_blocks: int = 32, block_size: int = 4, max_model_len: int = 256, seed: int = 0
+    model_dir: Path,
+    num_blocks: int = 32,
+    block_size: int = 4,
+    max_model_len: int = 256,
+    seed: int = 0,
+    ops: Ops | None = None,
+    device: str = "cpu",
 ) -> ModelRunner:
+    """A float32 runner on `device`, through `ops` where given (else the device's own)."""
     from pagedserve.worker_svc.sampler import Sampler
 
-    model = load_model(model_dir, torch.float32, "cpu")
+    model = load_model(model_dir, torch.float32, device, ops=ops)
     cfg = model.config
     spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, torch.float32)
-    kv_cache = KVCache(spec, num_blocks, torch.device("cpu"))
-    return ModelRunner(model, kv_cache, max_model_len, sampler=Sampler(cfg.vocab_size, "cpu", seed=seed))
+    # The CPU kernels take head-major blocks; CUDA's, whether run or emulated, token-major ones.
+    kv_cache = KVCache(spec, num_blocks, torch.device(device), heads_first=model.ops.name == "cpu")
+    return ModelRunner(model, kv_cache, max_model_len, sampler=Sampler(cfg.vocab_size, device, seed=seed))
+
+
+def drive_greedy(
+    runner: ModelRunner, prompts: list[list[int]], block_size: int, steps: int
+) -> list[list[int]]:
+    """Greedy tokens of each prompt (slot i: prompts[i]) over `steps` plans: the first prompt prefilled in
+    two chunks, the second joining in the second plan beside that chunk (a mixed step), then one decode
+    token each per plan, blocks appended as the sequences fill them."""
+    first, second = prompts
+    half = len(first) // 2
+    blocks = iter(range(1 << 20))
+
+    def fresh(tokens_before: int, tokens: int) -> list[int]:
+        """The new blocks a sequence of tokens_before tokens needs for `tokens` more."""
+        needed = math.ceil((tokens_before + tokens) / block_size) - math.ceil(tokens_before / block_size)
+        return [next(blocks) for _ in range(needed)]
+
+    plans = [
+        plan(1, [(0, half, fresh(0, half))], new_requests=[new_request(0, first)]),
+        plan(
+            2,
+            [(0, len(first) - half, fresh(half, len(first) - half)), (1, len(second), fresh(0, len(second)))],
+            new_requests=[new_request(1, second)],
+        ),
+    ]
+    sampled: list[list[int]] = [[], []]
+    for step in range(1, steps + 1):
+        if step > len(plans):
+            plans.append(
+                plan(step, [(slot, 1, fresh(runner.slots[slot].num_computed_tokens, 1)) for slot in (0, 1)])
+            )
+        result = runner.execute(plans[step - 1])
+        for slot, token in zip(result.sampled_slots, result.sampled_token_ids, strict=True):
+            sampled[slot].append(token)
+    return sampled
 
 
 def new_request(

@@ -10,17 +10,21 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.kernels import get_ops
+from pagedserve.kernels.ops import Ops
 from pagedserve.logging import get_logger
 from pagedserve.model_files import GenerationInfo, load_generation_info, model_name, resolve_model
 from pagedserve.v1 import worker_pb2
-from pagedserve.worker_svc.config import WorkerConfig
+from pagedserve.worker_svc.config import DEFAULT_GPU_MEMORY_UTILIZATION, WorkerConfig
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
-from pagedserve.worker_svc.loader import load_model, parse_dtype
+from pagedserve.worker_svc.loader import load_model, parse_dtype, read_model_config
 from pagedserve.worker_svc.model import CausalLM
 from pagedserve.worker_svc.runner import ModelRunner
 from pagedserve.worker_svc.sampler import Sampler
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# The tokens of the largest step the KV budget leaves room for (the scheduler's default step budget).
+STEP_TOKENS = 2048
 
 log = get_logger("pagedserve.worker")
 
@@ -62,20 +66,27 @@ def assemble(
     max_model_len: int | None = None,
     seed: int | None = None,
     context_within_pool: bool = False,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
 ) -> LoadedWorker:
     """Load the model (a folder, a .gguf file, None for the default), size and allocate the KV pool (num_blocks,
     else from kv_cache_memory bytes, else the device's default budget), build the runner (its sampler's
     unseeded draws from `seed`; None: fresh entropy). max_model_len: the longest sequence, by default the
     model's own; context_within_pool also bounds it by the pool, so that a sequence always fits the pool
-    alone (the offline engine; a server's scheduler refuses such requests itself)."""
+    alone (the offline engine; a server's scheduler refuses such requests itself). On CUDA without either
+    size, the pool takes what gpu_memory_utilization of the device leaves after the weights and a step's
+    activations."""
     model_dir = resolve_model(model)
     torch_device = resolve_device(device)
     torch_dtype = parse_dtype(dtype, torch_device)
+    mc = read_model_config(model_dir)
+    check_kernel_shapes(get_ops(torch_device), mc.head_dim, block_size, torch_dtype)
     loaded = load_model(model_dir, torch_dtype, torch_device)
-    mc = loaded.config
     generation = load_generation_info(model_dir)
     spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, block_size, torch_dtype)
-    num_blocks = resolve_num_blocks(spec, torch_device, num_blocks, kv_cache_memory)
+    activations = mc.activation_bytes(STEP_TOKENS, torch.empty(0, dtype=torch_dtype).element_size())
+    num_blocks = resolve_num_blocks(
+        spec, torch_device, num_blocks, kv_cache_memory, gpu_memory_utilization, activations
+    )
     max_model_len = min(max_model_len or generation.max_model_len, mc.max_position)
     if context_within_pool:
         max_model_len = min(max_model_len, num_blocks * block_size)
@@ -99,6 +110,20 @@ def assemble(
     return LoadedWorker(model_dir, generation, runner, info)
 
 
+def check_kernel_shapes(ops: Ops, head_dim: int, block_size: int, dtype: torch.dtype) -> None:
+    """Refuse, before the weights load, a model whose shape the device's kernels cannot run (the CUDA
+    kernels are built for some head sizes, block sizes and dtypes; the CPU's and the reference take any)."""
+    if ops.name != "cuda":
+        return
+    from pagedserve.kernels.cuda_ops import unsupported_reason
+
+    reason = unsupported_reason(head_dim, block_size, dtype)
+    if reason is not None:
+        raise ValueError(
+            f"this model cannot run on {ops.name}: {reason} (head_dim {head_dim}, --block-size {block_size})"
+        )
+
+
 def load_worker(config: WorkerConfig) -> LoadedWorker:
     """The worker a `pagedserve worker` configuration names."""
     worker = assemble(
@@ -109,6 +134,7 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         num_blocks=config.num_blocks,
         kv_cache_memory=config.kv_cache_memory,
         max_model_len=config.max_model_len,
+        gpu_memory_utilization=config.gpu_memory_utilization,
     )
     log.info(
         "kv_cache_allocated",

@@ -16,6 +16,10 @@ from dataclasses import dataclass
 from pagedserve.flags import EnvFlags
 from pagedserve.grpc_utils import ServiceTLSFields, add_tls_arguments
 
+# On CUDA: the share of the device's memory a worker may hold in all (--gpu-memory-utilization, vLLM's name
+# and default), of which the KV pool takes what the weights and the forward pass's activations leave.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 _UNITS = {
@@ -67,6 +71,8 @@ class WorkerConfig(ServiceTLSFields):
     kv_cache_memory: int | None = None
     # Exact number of KV blocks; wins over kv_cache_memory.
     num_blocks: int | None = None
+    # On CUDA: the share of the device's memory this worker may hold (see kv_cache.cuda_kv_budget).
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     # Longest sequence in tokens; None: the model's own context length.
     max_model_len: int | None = None
     # torch intra-op threads for the forward pass; None: torch's default (one per core).
@@ -97,6 +103,8 @@ class WorkerConfig(ServiceTLSFields):
             raise ValueError(f"num_blocks must be positive, not {self.num_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, not {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, not {self.max_model_len}")
         if self.threads is not None and self.threads <= 0:
@@ -165,6 +173,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--block-size", int, "tokens per KV block", default=16)
     add("--kv-cache-memory", parse_bytes, "KV pool budget, e.g. 2GiB, 512MiB, or bytes")
     add("--num-blocks", int, "exact number of KV blocks (overrides --kv-cache-memory)")
+    add(
+        "--gpu-memory-utilization",
+        float,
+        "on CUDA, the share of the device's memory this worker may hold in all (weights, activations, KV "
+        "pool); the pool takes the rest of it unless --kv-cache-memory or --num-blocks sizes it",
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+    )
     add("--max-model-len", int, "longest sequence in tokens (default: the model's)")
     # NOTE: two threads win when the cores are free; when other processes share them, OpenMP's threads wait
     # on each other and one thread is steadier (docs/performance.md: several workers on one machine, and

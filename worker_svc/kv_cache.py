@@ -11,11 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.worker_svc import host_memory
+from pagedserve.worker_svc.config import DEFAULT_GPU_MEMORY_UTILIZATION
 
 # Budget when the operator gives neither --num-blocks nor --kv-cache-memory.
 DEFAULT_CPU_BUDGET = 1024**3
-# On CUDA: this fraction of the memory still free after the weights are loaded.
-DEFAULT_CUDA_FRACTION = 0.85
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,19 +35,51 @@ class KVCacheSpec:
         return budget_bytes // self.block_bytes
 
 
-def default_budget(device: torch.device) -> int:
+def cuda_kv_budget(total: int, free: int, own: int, utilization: float, activations: int) -> int:
+    """Bytes of KV pool a worker may allocate on a device of `total` bytes, `free` of them free now, of which
+    it already holds `own` (its weights): its share (utilization x total) less what it holds and what its
+    forward pass will need, and never more than is free beyond those activations (another process may hold
+    the rest). Raises ValueError when that leaves nothing."""
+    budget = min(int(total * utilization) - own - activations, free - activations)
+    if budget <= 0:
+        gib = 1024**3
+        raise ValueError(
+            f"--gpu-memory-utilization {utilization:g} of {total / gib:.1f} GiB leaves no room for the KV cache: "
+            f"the weights take {own / gib:.2f} GiB, the forward pass about {activations / gib:.2f} GiB, and "
+            f"{free / gib:.2f} GiB are free; raise it, give the worker a device of its own, or set "
+            "--kv-cache-memory / --num-blocks"
+        )
+    return budget
+
+
+def default_budget(
+    device: torch.device,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    activations: int = 0,
+) -> int:
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free * DEFAULT_CUDA_FRACTION)
+        free, total = torch.cuda.mem_get_info(device)
+        own = torch.cuda.memory_reserved(device)
+        return cuda_kv_budget(total, free, own, gpu_memory_utilization, activations)
     return DEFAULT_CPU_BUDGET
 
 
 def resolve_num_blocks(
-    spec: KVCacheSpec, device: torch.device, num_blocks: int | None, budget_bytes: int | None
+    spec: KVCacheSpec,
+    device: torch.device,
+    num_blocks: int | None,
+    budget_bytes: int | None,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    activations: int = 0,
 ) -> int:
-    """The pool's block count: explicit, else from the budget, else from the device's default budget."""
+    """The pool's block count: explicit, else from the budget, else from the device's default budget (on
+    CUDA: its share of the device's memory, `activations` bytes left for the forward pass)."""
     if num_blocks is None:
-        budget = budget_bytes if budget_bytes is not None else default_budget(device)
+        budget = (
+            budget_bytes
+            if budget_bytes is not None
+            else default_budget(device, gpu_memory_utilization, activations)
+        )
         num_blocks = spec.num_blocks_for(budget)
         if num_blocks < 1:
             raise ValueError(
@@ -68,7 +99,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 class KVCache:
     """The pool's tensors, addressed by block id."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device):
+    def __init__(
+        self, spec: KVCacheSpec, num_blocks: int, device: torch.device, heads_first: bool | None = None
+    ):
+        """heads_first: the CPU kernels' head-major blocks (below); by default on the CPU only."""
         assert num_blocks > 0
         self.spec = spec
         self.num_blocks = num_blocks
@@ -83,9 +117,9 @@ class KVCache:
         # On the CPU a block is head-major (a kv head's rows of the block side by side), and each tensor is a
         # view of that in the shape above: the decode attention then reads every block front to back, one
         # kv head at a time. On CUDA the kernels take the token-major tensor itself.
-        if device.type == "cpu":
-            heads_first = (num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
-            pool = _zeros((spec.num_layers, 2, *heads_first), spec.dtype, device).transpose(3, 4)
+        if device.type == "cpu" if heads_first is None else heads_first:
+            layout = (num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
+            pool = _zeros((spec.num_layers, 2, *layout), spec.dtype, device).transpose(3, 4)
         else:
             pool = _zeros((spec.num_layers, 2, *shape), spec.dtype, device)
         self.k_caches = [pool[layer, 0] for layer in range(spec.num_layers)]

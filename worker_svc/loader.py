@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from pagedserve.kernels import get_ops
-from pagedserve.kernels.ops import linear_for
+from pagedserve.kernels.ops import Ops, linear_for
 from pagedserve.worker_svc.model import CausalLM, ModelConfig, can_pack_linears
 
 log = logging.getLogger(__name__)
@@ -66,14 +66,22 @@ def cpu_has_native_bf16() -> bool:
     return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
 
 
-def load_model(model_dir: Path | str, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    start = time.perf_counter()
-    model_dir = Path(model_dir)
-    config_path = model_dir / "config.json"
+def read_model_config(model_dir: Path | str) -> ModelConfig:
+    """The architecture a HF folder's config.json describes (no weights read)."""
+    config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {model_dir}")
-    config = ModelConfig.from_hf_config(json.loads(config_path.read_text()))
-    model = CausalLM(config, dtype, device)
+    return ModelConfig.from_hf_config(json.loads(config_path.read_text()))
+
+
+def load_model(
+    model_dir: Path | str, dtype: torch.dtype, device: torch.device | str, ops: Ops | None = None
+) -> CausalLM:
+    """The model of a HF folder on `device` in `dtype`, its layers calling `ops` (default: the device's)."""
+    start = time.perf_counter()
+    model_dir = Path(model_dir)
+    config = read_model_config(model_dir)
+    model = CausalLM(config, dtype, device, ops)
     params = dict(model.named_parameters())
     # Fused parameters are complete once all their shards are loaded, the others once loaded.
     missing = {(name, None) for name in params}

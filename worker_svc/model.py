@@ -101,6 +101,17 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def activation_bytes(self, tokens: int, element_size: int) -> int:
+        """An upper estimate of the memory a forward pass of `tokens` rows holds at its peak, beyond the
+        weights and the KV pool: one layer's widest tensors alive together (the residual stream and its
+        norm, the fused qkv projection, the attention's output, the MLP's gate and up and their product),
+        twice over for the allocator's rounding and the next layer's first outputs, and float32 logits for
+        as many rows."""
+        widths = (
+            2 * self.hidden_size + self.q_size + 2 * self.kv_size + self.q_size + 3 * self.intermediate_size
+        )
+        return 2 * tokens * widths * element_size + tokens * self.vocab_size * 4
+
 
 def _rope_params(hf: dict[str, Any]) -> tuple[float, str, dict[str, Any] | None]:
     # transformers >= 5 writes `rope_parameters` (theta included); older configs `rope_theta` + `rope_scaling`.
