@@ -138,6 +138,8 @@ class LLM:
         seed: int = 0,
         device: str = "cpu",
         threads: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
     ):
         # threads: torch intra-op threads for the CPU model (None: torch's default, one per core).
         # NOTE: on a CPU shared with other busy processes, 1 can be much faster than 2: libgomp's
@@ -157,6 +159,9 @@ class LLM:
             # A sequence must fit the pool alone, so a small pool shortens the context (as the server's
             # engine does) instead of refusing every long request.
             context_within_pool=True,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            max_cudagraph_capture_size=max_num_seqs,
         )
         self.model_dir = worker.model_dir
         self.model_name = worker.info.model
