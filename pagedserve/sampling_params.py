@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.v1 import common_pb2
 from pagedserve.validation import Limits, check_sampling, reduce_seed
 
 _OFFLINE_LIMITS = Limits(max_n=(1 << 32) - 1)
+
+
+class RequestOutputKind(Enum):
+    """What each output AsyncLLMEngine.generate yields holds (vLLM's names; LLM returns final outputs)."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # one output, when the request has finished
 
 
 @dataclass(slots=True)
@@ -46,12 +55,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Keep the matched stop string at the end of the text.
     include_stop_str_in_output: bool = False
+    # What each streamed output holds (AsyncLLMEngine.generate); LLM.generate returns final outputs.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, not {self.output_kind!r}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, not {self.n}")
         for name in ("max_tokens", "min_tokens", "logprobs"):
