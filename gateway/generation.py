@@ -28,6 +28,7 @@ from opentelemetry.context import Context
 from pagedserve import finish_reasons
 from pagedserve.errors import ModelNotFoundError, RequestTimeoutError, UnavailableError
 from pagedserve.logging import get_logger
+from pagedserve.structured_outputs import check_structured_output
 from pagedserve.v1 import common_pb2, engine_pb2
 from pagedserve.validation import (
     DEFAULT_LIMITS,
@@ -172,8 +173,12 @@ class GenerationCore:
 
     def check_sampling(self, sp: common_pb2.SamplingParams, names: dict[str, str] | None = None) -> None:
         """The sampling parameters' counts, ranges and n against the gateway's limits: the one check both
-        APIs make, before any prompt is tokenized."""
+        APIs make, before any prompt is tokenized. A structured-output constraint must compile (bounded by
+        llguidance's fuel limits; the scheduler compiles it again against the tokenizer)."""
         check_sampling(sp, limits=self.limits, vocab_size=self.tokenizer.vocab_size, names=names)
+        if sp.HasField("structured_output"):
+            param = (names or {}).get("structured_output", "structured_output")
+            check_structured_output(sp.structured_output, param)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """Token ids to detokenize: as many as a context holds, each in the vocabulary."""

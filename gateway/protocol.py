@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pagedserve.errors import InvalidRequestError
+from pagedserve.structured_outputs import MAX_CHOICES, Constraint
 from pagedserve.v1 import common_pb2
 from pagedserve.validation import (
     DEFAULT_LIMITS,
@@ -34,6 +35,21 @@ class _Request(BaseModel):
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs` object (one constraint)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(_Request):
@@ -63,6 +79,52 @@ class _SamplingFields(_Request):
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its older
+    # guided_* fields; at most one constraint over all of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_output(self) -> tuple[common_pb2.StructuredOutput | None, str]:
+        """The request's constraint and the parameter the client gave it by (for errors)."""
+        found: list[tuple[str, Constraint]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", Constraint(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            spec = rf.json_schema
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise InvalidRequestError(
+                    "response_format: json_schema needs an object with a name", "response_format"
+                )
+            schema = spec.get("schema")
+            # NOTE: OpenAI makes the schema optional; without one any JSON object is taken.
+            constraint = Constraint(json_object=True) if schema is None else Constraint(json=schema)
+            found.append(("response_format", constraint))
+        if (so := self.structured_outputs) is not None:
+            constraint = Constraint(so.json_, so.regex, so.choice, so.grammar, so.json_object)
+            if constraint.to_proto("structured_outputs") is not None:
+                found.append(("structured_outputs", constraint))
+        for param, constraint in (
+            ("guided_json", Constraint(json=self.guided_json)),
+            ("guided_regex", Constraint(regex=self.guided_regex)),
+            ("guided_choice", Constraint(choice=self.guided_choice)),
+            ("guided_grammar", Constraint(grammar=self.guided_grammar)),
+        ):
+            if constraint.to_proto(param) is not None:
+                found.append((param, constraint))
+        if not found:
+            return None, "structured_output"
+        if len(found) > 1:
+            names = ", ".join(param for param, _ in found)
+            raise InvalidRequestError(
+                f"at most one structured output constraint may be given, got {names}", found[1][0]
+            )
+        param, constraint = found[0]
+        return constraint.to_proto(param), param
 
     @property
     def include_usage(self) -> bool:
@@ -111,7 +173,14 @@ class _SamplingFields(_Request):
             except ValueError:
                 raise InvalidRequestError(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
             sp.logit_bias[_checked_uint(token_id, "logit_bias")] = bias
+        structured, _ = self.structured_output()
+        if structured is not None:
+            sp.structured_output.CopyFrom(structured)
         return sp
+
+    def _names(self) -> dict[str, str]:
+        """SamplingParams fields both APIs call by another name (for errors)."""
+        return {"structured_output": self.structured_output()[1]}
 
 
 def _checked_uint(value: int, param: str) -> int:
@@ -178,7 +247,7 @@ class CompletionRequest(_SamplingFields):
 
     def sampling_names(self) -> dict[str, str]:
         """SamplingParams fields this API calls by another name (for errors)."""
-        return {}
+        return self._names()
 
 
 class ContentPart(_Request):
@@ -226,7 +295,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
     def sampling_names(self) -> dict[str, str]:
-        names = {"logprobs": "top_logprobs"}
+        names = {"logprobs": "top_logprobs", **self._names()}
         if self.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         return names
@@ -290,6 +359,7 @@ def check_sizes(data: dict[str, Any], limits: Limits, max_model_len: int | None 
         )
         check_count(parts, limits.max_messages, "messages", "content parts")
     for field, limit, what in (
+        ("guided_choice", MAX_CHOICES, "choices"),
         ("stop", limits.max_stop_strings, "strings"),
         ("stop_token_ids", limits.max_stop_token_ids, "ids"),
         ("logit_bias", limits.max_logit_bias, "entries"),
