@@ -17,12 +17,22 @@ _LAZY = {
     "RequestOutput": "pagedserve.llm",
     "CompletionOutput": "pagedserve.llm",
     "SamplingParams": "pagedserve.sampling_params",
+    "StructuredOutputsParams": "pagedserve.sampling_params",
+    "GuidedDecodingParams": "pagedserve.sampling_params",
 }
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "GuidedDecodingParams",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from pagedserve.llm import LLM, CompletionOutput, RequestOutput
-    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

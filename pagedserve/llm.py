@@ -38,6 +38,7 @@ from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.plan import PlanBuilder
 from pagedserve.scheduler_svc.request import Request
 from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.scheduler_svc.structured_output import GrammarCompiler, load_tokenizer
 from pagedserve.service_main import freeze_startup_objects
 from pagedserve.v1 import common_pb2
 from pagedserve.validation import check_max_tokens, check_prompt
@@ -177,6 +178,8 @@ class LLM:
         )
         self.scheduler = Scheduler(self.scheduler_config)
         self.plan_builder = PlanBuilder()
+        # Compiles structured-output constraints; made with the first constrained request.
+        self._grammars: GrammarCompiler | None = None
         self._request_ids = itertools.count()
         freeze_startup_objects()
 
@@ -246,10 +249,15 @@ class LLM:
         if len(params) != len(inputs):
             raise ValueError(f"{len(params)} sampling params for {len(inputs)} prompts")
         tracked: dict[str, _Tracked] = {}
-        for position, ((text, token_ids), sp) in enumerate(zip(inputs, params, strict=True)):
-            self._check_prompt(token_ids, sp)
-            request_id = str(next(self._request_ids))
-            tracked[request_id] = self._add_request(request_id, position, text, token_ids, sp)
+        try:
+            for position, ((text, token_ids), sp) in enumerate(zip(inputs, params, strict=True)):
+                self._check_prompt(token_ids, sp)
+                request_id = str(next(self._request_ids))
+                tracked[request_id] = self._add_request(request_id, position, text, token_ids, sp)
+        except BaseException:
+            for request_id in tracked:  # a refused request: the call's others leave the scheduler too
+                self.scheduler.abort_request(request_id)
+            raise
         results = [t.result for t in tracked.values()]
         bar = None
         if use_tqdm:
@@ -288,6 +296,16 @@ class LLM:
             eos_token_ids=self.eos_token_ids,
             arrival_time=time.time(),
         )
+        if proto.HasField("structured_output"):
+            if self._grammars is None:
+                vocab_size = self.model.config.vocab_size
+                self._grammars = GrammarCompiler(
+                    load_tokenizer(self.model_dir, vocab_size, self.eos_token_ids)
+                )
+            try:
+                req.grammar = self._grammars.compile_sync(proto.structured_output, "structured_outputs")
+            except InvalidRequestError as error:
+                raise ValueError(error.message) from None
         arrival = time.perf_counter()
         self.scheduler.add_request(req)
         # EOS and stop token ids end a sequence; their text is hidden.

@@ -1,7 +1,7 @@
-"""Token sampling for a batch of requests: logit bias, penalties, temperature, min-p, top-k, top-p.
+"""Token sampling for a batch of requests: token masks, logit bias, penalties, temperature, min-p, top-k, top-p.
 
 Order of operations (as vLLM v1): raw log-probabilities are taken from the model's logits first;
-then logit bias, then penalties; greedy rows take the argmax there; the other rows are scaled by
+then structured outputs' token masks, logit bias, then penalties; greedy rows take the argmax there; the other rows are scaled by
 their temperature, filtered by min-p, top-k and top-p, and sampled by the exponential race
 (argmax of probs / q with q ~ Exp(1), equivalent to Gumbel-max).
 
@@ -124,6 +124,9 @@ class SamplingMetadata:
     output_positions: list[int]  # their output position k (tokens generated before this one)
     max_num_logprobs: int  # K: top alternatives returned per row (rows asking fewer use a prefix)
     any_logprobs: bool = True  # some row asked for logprobs (0 included); else none are computed
+    # Structured outputs: (rows int64 [R], masks int32 [R, ceil(V / 32)]): row rows[i] may sample token t only
+    # when bit t % 32 of masks[i, t // 32] is set; None when no row is constrained.
+    token_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -140,7 +143,13 @@ class SamplingMetadata:
     @property
     def argmax_only(self) -> bool:
         """Every row's token is the argmax of its logits (see SlotSamplingState.argmax_only)."""
-        return self.all_greedy and self.no_penalties and self.logit_bias is None and not self.any_logprobs
+        return (
+            self.all_greedy
+            and self.no_penalties
+            and self.logit_bias is None
+            and not self.any_logprobs
+            and self.token_mask is None
+        )
 
     @property
     def no_top_k(self) -> bool:
@@ -331,7 +340,8 @@ class Sampler:
         if not meta.argmax_only:
             logits = logits.float()
         # NOTE: every step below is out of place: the raw logits serve the logprobs at the end.
-        x = apply_logit_bias(logits, meta)
+        x = apply_token_mask(logits, meta)
+        x = apply_logit_bias(x, meta)
         x = apply_penalties(x, meta)
         if meta.all_greedy:
             token_ids = self.argmax(x)
@@ -365,6 +375,21 @@ class Sampler:
         # NOTE: exponential_ may return 0; 0/0 on a filtered-out token would be NaN and win the argmax.
         q.clamp_(min=torch.finfo(q.dtype).tiny)
         return self.argmax(probs / q)
+
+
+def apply_token_mask(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Structured outputs: -inf on the tokens a constrained row's mask leaves out (before bias and penalties,
+    which cannot bring a token back). Vectorised: the words' bytes are unpacked with shifts, on any device."""
+    if meta.token_mask is None:
+        return logits
+    rows, words = meta.token_mask
+    vocab_size = logits.shape[1]
+    # NOTE: little-endian words, so byte k holds tokens 8k .. 8k + 7, lowest bit first.
+    shifts = torch.arange(8, dtype=torch.uint8, device=words.device)
+    bits = (words.contiguous().view(torch.uint8).unsqueeze(-1) >> shifts) & 1
+    allowed = bits.view(len(rows), -1)[:, :vocab_size].bool()
+    masked = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits.index_put((rows,), masked)
 
 
 def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
