@@ -189,11 +189,19 @@ class ModelRunner:
             or plan.replaced_block_ids
             or plan.copy_src_blocks
             or plan.copy_dst_blocks
-            or plan.mask_slots
         ):
             return None
         slots = list(plan.slots)
         n = len(slots)
+        if plan.mask_slots:
+            # Every slot of a plain decode samples, so any of them may carry a mask (as _validate checks).
+            masked = set(plan.mask_slots)
+            if (
+                len(masked) != len(plan.mask_slots)
+                or not masked <= set(slots)
+                or len(plan.token_masks) != len(masked) * self._mask_words * 4
+            ):
+                return None
         appended = plan.num_new_blocks
         if n == 0 or len(set(slots)) != n or len(appended) != n or len(plan.num_scheduled_tokens) != n:
             return None
@@ -232,8 +240,8 @@ class ModelRunner:
         result.step_id = plan.step_id
         for state in states:
             state.num_computed_tokens += 1
-        if self._sampler_slots:
-            self._sample_rows(slots, states, logits, result)
+        if self._sampler_slots or plan.mask_slots:
+            self._sample_rows(slots, states, logits, result, self._token_masks(plan))
             return t1, t2
         # Every live slot is argmax_only: its token is its row's argmax, at start + 1 (its num_tokens).
         tokens = self.arrays.append(slots, [state.num_tokens for state in states], self.ops.argmax(logits))
@@ -537,10 +545,12 @@ class ModelRunner:
         when it has one), append it and write the result."""
         meta = SamplingMetadata.build([s.sampling for s in states], self.vocab_size, self.device)
         if masks is not None:
-            row_of = {slot: row for row, slot in enumerate(slots)}
             mask_slots, words = masks
-            rows = torch.tensor([row_of[slot] for slot in mask_slots], dtype=torch.int64)
-            meta.token_mask = (rows.to(self.device), torch.from_numpy(words.copy()).to(self.device))
+            rows = None
+            if mask_slots != slots:  # NOTE: every row, in order, is the common case and needs no scatter
+                row_of = {slot: row for row, slot in enumerate(slots)}
+                rows = torch.tensor([row_of[slot] for slot in mask_slots], dtype=torch.int64).to(self.device)
+            meta.token_mask = (rows, torch.from_numpy(words.copy()).to(self.device))
         out = self.sampler(logits, meta)
         token_ids = self.arrays.append(slots, [state.num_tokens for state in states], out.token_ids)
         for state, token in zip(states, token_ids, strict=True):
