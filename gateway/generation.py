@@ -199,16 +199,26 @@ class GenerationCore:
         return await self._off_loop(deadline, self.tokenizer.encode, text, add_special_tokens)
 
     async def render_chat(
-        self, messages: list[dict[str, str]], deadline: float | None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        deadline: float | None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> str:
-        """The chat template applied to messages (bounded in number), off the event loop."""
+        """The chat template applied to messages (bounded in number) and tools, off the event loop."""
         check_count(len(messages), self.limits.max_messages, "messages", "messages")
-        return await self._off_loop(deadline, self.tokenizer.render_chat, messages, add_generation_prompt)
+        return await self._off_loop(
+            deadline, self.tokenizer.render_chat, messages, add_generation_prompt, tools
+        )
 
     async def encode_chat(
-        self, messages: list[dict[str, str]], deadline: float | None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        deadline: float | None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> Prompt:
-        text = await self.render_chat(messages, deadline, add_generation_prompt)
+        text = await self.render_chat(messages, deadline, add_generation_prompt, tools)
         # The rendered template already holds the special tokens (BOS and the role markers).
         ids = await self.encode(text, deadline, add_special_tokens=False, param="messages")
         return Prompt(ids, text)

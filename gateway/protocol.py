@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pagedserve.errors import InvalidRequestError
+from pagedserve.gateway.tool_calls import MAX_TOOLS, check_tools, forcing_grammar
 from pagedserve.structured_outputs import MAX_CHOICES, Constraint
 from pagedserve.v1 import common_pb2
 from pagedserve.validation import (
@@ -259,6 +260,21 @@ class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant's calls ({"id", "type": "function", "function": {"name", "arguments"}}), and the call a
+    # tool message answers.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates take it: text content, and a call's arguments as an object."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(call) for call in self.tool_calls]
+        return message
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -273,8 +289,31 @@ class ChatMessage(_Request):
         return "\n".join(parts)
 
 
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidRequestError("messages: a tool call needs a function with a name", "messages")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments else {}
+        except ValueError:
+            raise InvalidRequestError(
+                "messages: a tool call's arguments are not valid JSON", "messages"
+            ) from None
+    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # Functions the model may call ({"type": "function", "function": {"name", "description", "parameters"}}),
+    # and whether it must: "none", "auto", "required" or {"type": "function", "function": {"name"}}.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -282,11 +321,25 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM extension: end the rendered prompt with the assistant's turn marker.
     add_generation_prompt: bool = True
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-            for m in self.messages
-        ]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
+    def apply_tools(self, sp: common_pb2.SamplingParams, parser: str) -> tuple[str, list[dict] | None]:
+        """(mode, tools for the chat template) of the request's tools and tool_choice (tool_calls.check_tools);
+        a forced call ("required", or a named function) becomes sp's constraint, a grammar of the parser's
+        format, so it cannot come with another one."""
+        mode, functions = check_tools(self.tools or [], self.tool_choice)
+        if mode == "forced":
+            if sp.HasField("structured_output"):
+                raise InvalidRequestError(
+                    "a required or named tool_choice cannot come with another structured output constraint",
+                    "tool_choice",
+                )
+            grammar = forcing_grammar(
+                parser, functions, self.parallel_tool_calls and self.tool_choice == "required"
+            )
+            sp.structured_output.grammar = grammar
+        return mode, (self.tools if mode != "none" else None)
 
     def sampling_params(self) -> common_pb2.SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -296,6 +349,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def sampling_names(self) -> dict[str, str]:
         names = {"logprobs": "top_logprobs", **self._names()}
+        if self.tools and self.tool_choice not in (None, "none", "auto"):
+            names["structured_output"] = "tool_choice"
         if self.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         return names
@@ -360,6 +415,7 @@ def check_sizes(data: dict[str, Any], limits: Limits, max_model_len: int | None 
         check_count(parts, limits.max_messages, "messages", "content parts")
     for field, limit, what in (
         ("guided_choice", MAX_CHOICES, "choices"),
+        ("tools", MAX_TOOLS, "tools"),
         ("stop", limits.max_stop_strings, "strings"),
         ("stop_token_ids", limits.max_stop_token_ids, "ids"),
         ("logit_bias", limits.max_logit_bias, "entries"),

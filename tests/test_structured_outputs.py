@@ -246,6 +246,11 @@ def test_the_sampler_draws_only_tokens_the_mask_allows(device):
             meta.token_mask = (torch.tensor([0, 1, 3], device=device), torch.from_numpy(words).to(device))
             tokens = sampler(logits.to(device), meta).token_ids.tolist()
             assert all(t in allowed[i] for i, t in enumerate(tokens)), tokens
+            # Every row masked, in order (rows None), row 2 allowing everything.
+            every = np.insert(words, 2, -1, axis=0)
+            meta.token_mask = (None, torch.from_numpy(every).to(device))
+            tokens = sampler(logits.to(device), meta).token_ids.tolist()
+            assert all(t in allowed[i] for i, t in enumerate(tokens)), tokens
             if temperature == 0.0:  # the unmasked row keeps its own argmax
                 assert tokens[2] == int(logits[2].argmax())
 
@@ -545,3 +550,150 @@ def test_the_offline_llm_takes_vllms_structured_outputs_params():
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a(b"))
     with pytest.raises(ValueError, match="one constraint"):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["a"]))
+
+
+# ---- tool calling, through the openai SDK ----
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a time zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 12}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, TIME_TOOL)}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_calls(calls, names) -> list[tuple[str, dict]]:
+    assert calls
+    out = []
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, TOOL_SCHEMAS[call.function.name])
+        out.append((call.function.name, arguments))
+    return out
+
+
+def _streamed_calls(stream) -> tuple[str, list[tuple[str, dict]], str | None]:
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = delta.id or call["id"]
+                if delta.function is not None:
+                    call["name"] += delta.function.name or ""
+                    call["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert all(c["id"] and c["id"].startswith("call_") for c in calls.values())
+    return content, [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], finish
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "tool_choice, names",
+    [
+        ("required", {"get_weather", "get_time"}),
+        ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+    ],
+)
+def test_required_and_named_tool_choice_always_give_valid_calls(served, tool_choice, names):
+    # NOTE: one call (parallel_tool_calls false): with parallel calls a sampled model may go on calling.
+    reply = _ask(
+        served,
+        WEATHER_QUESTION[0]["content"],
+        temperature=1.0,
+        seed=7,
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert len(_check_calls(choice.message.tool_calls, names)) == 1
+
+
+@pytest.mark.slow
+def test_a_streamed_tool_call_gives_the_same_calls_as_a_whole_one(served):
+    kwargs = dict(
+        temperature=1.0,
+        seed=11,
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    whole = _ask(served, WEATHER_QUESTION[0]["content"], **kwargs).choices[0]
+    content, calls, finish = _streamed_calls(
+        _ask(served, WEATHER_QUESTION[0]["content"], stream=True, **kwargs)
+    )
+    assert finish == "tool_calls" and not content
+    assert calls == [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+
+
+@pytest.mark.slow
+def test_tool_results_in_the_history_and_tool_choice_none(served):
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+    }
+    messages = [
+        *WEATHER_QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'},
+    ]
+    reply = served.client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=24, temperature=0
+    )
+    choice = reply.choices[0]
+    assert choice.message.content and not choice.message.tool_calls
+    assert choice.finish_reason in ("stop", "length")
+    served.wait_idle()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+        (
+            {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+    ],
+)
+def test_bad_tools_get_a_400_naming_the_parameter(served, fields, param):
+    body = {"model": MODEL, "messages": WEATHER_QUESTION, "max_tokens": 4, **fields}
+    response = httpx.post(f"{served.openai_base_url}/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
