@@ -23,12 +23,15 @@ from stack_testing import MODEL, Stack, running
 from pagedserve.errors import InvalidRequestError
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from pagedserve.scheduler_svc.config import SchedulerConfig
+from pagedserve.scheduler_svc.engine import Engine
 from pagedserve.scheduler_svc.plan import PlanBuilder
 from pagedserve.scheduler_svc.request import Request
+from pagedserve.scheduler_svc.request_stream import RequestStream
 from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
 from pagedserve.scheduler_svc.structured_output import GrammarCompiler, load_tokenizer
 from pagedserve.structured_outputs import check_structured_output
-from pagedserve.v1 import common_pb2, text_generation_pb2, text_generation_pb2_grpc, worker_pb2
+from pagedserve.v1 import common_pb2, engine_pb2, text_generation_pb2, text_generation_pb2_grpc, worker_pb2
 from pagedserve.worker_svc.sampler import Sampler, SamplingMetadata, SlotSamplingState
 
 EOS = 2  # SmolLM2's <|im_end|>
@@ -225,6 +228,37 @@ def test_forks_get_matchers_of_their_own(compiler, tokenizer):
     first, second = out2.masked
     outputs = sched.update_from_output(out2, _step_result(out2, {first: a, second: b}))
     assert [o.finish_reason for o in outputs] == [common_pb2.FINISH_REASON_STOP] * 2
+
+
+def test_a_sequence_resumed_elsewhere_gets_a_matcher_fed_what_its_client_has_seen(compiler, tokenizer):
+    msg = engine_pb2.GenerateTokensRequest(
+        request_id="r",
+        prompt_token_ids=[5, 6, 7],
+        sampling=common_pb2.SamplingParams(
+            max_tokens=8, structured_output=common_pb2.StructuredOutput(regex="4[0-9]")
+        ),
+    )
+    stream = RequestStream(msg, grammar=compiler.compile_sync(msg.sampling.structured_output))
+    digits = [tokenizer.tokenize_str(str(d))[0] for d in range(10)]
+    stream.sequences[0].token_ids = [digits[4]]  # streamed before its worker failed
+    (resumed,) = stream.core_requests(frozenset({EOS}))
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=16, max_num_seqs=8, max_model_len=512))
+    sched.add_request(resumed)
+    out = sched.schedule()
+    assert out.masked == [resumed] and _allowed(out.token_masks[0]) == set(digits)
+
+
+def test_without_a_tokenizer_json_a_constrained_request_is_refused():
+    engine = Engine(SchedulerServiceConfig(), "fake", frozenset({EOS}), 512, VOCAB)
+    msg = engine_pb2.GenerateTokensRequest(
+        request_id="r",
+        prompt_token_ids=[5],
+        sampling=common_pb2.SamplingParams(structured_output=common_pb2.StructuredOutput(regex="a")),
+    )
+    with pytest.raises(InvalidRequestError, match=r"tokenizer\.json"):
+        asyncio.run(engine.compile(msg))
+    with pytest.raises(InvalidRequestError, match="not compiled"):
+        engine.submit(msg)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
