@@ -11,7 +11,7 @@ NODE_STAMP := $(NODE_EXAMPLE)/node_modules/.installed
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast test-isa lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels bench-soak bench-structured gpu-check clean
+.PHONY: install serve test test-fast test-isa lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels bench-soak bench-structured gpu-check gpu-wheels clean
 
 install: $(STAMP) $(NODE_STAMP)
 
@@ -109,9 +109,23 @@ bench-soak: install
 bench-kernels: install
 	$(BIN)/python bench/bench_kernels.py
 
-# One script for a machine with a CUDA GPU: builds, tests, benchmarks; writes its tables to bench/results.
+# One script for a machine with a CUDA GPU: builds, tests, benchmarks; writes its tables to bench/results
+# and docs/gpu-check.json.
 gpu-check:
 	bash bench/gpu_check.sh
+
+# The wheels gpu-check installs on a GPU machine without internet, into .whl/ (carry the folder there):
+# the project's dependencies but torch and numpy (the machine's CUDA torch brings both), and CuPy for
+# CUDA_MAJOR.
+CUDA_MAJOR ?= 12
+gpu-wheels: install
+	$(BIN)/python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
+		print('\\n'.join(d for d in deps if not d.startswith(('torch', 'numpy'))))" > .whl-requirements.txt
+	echo "pytest-timeout" >> .whl-requirements.txt
+	$(BIN)/python -m pip download --quiet --only-binary=:all: -d .whl -r .whl-requirements.txt --no-deps
+	$(BIN)/python -m pip download --quiet --only-binary=:all: --no-deps -d .whl cupy-cuda$(CUDA_MAJOR)x
+	rm .whl-requirements.txt
+	du -sh .whl
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis bench/results $(NODE_EXAMPLE)/node_modules

@@ -56,40 +56,7 @@ class GatewayConfig:
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> GatewayConfig:
-        env = os.environ if env is None else env
-        d = cls()
-        parser = argparse.ArgumentParser(
-            prog="pagedserve gateway", description="OpenAI-compatible HTTP API and public gRPC API."
-        )
-        flags = EnvFlags(parser, env)
-        add = flags.add
-        add("--host", str, "address the HTTP and gRPC servers listen on", d.host)
-        add("--port", int, "HTTP port of the OpenAI API", d.port)
-        add("--grpc-port", int, "port of the public TextGenerationService gRPC API; 0: none", d.grpc_port)
-        add("--scheduler", str, "host:port of the scheduler's EngineService", d.scheduler)
-        add("--model", str, "model folder, .gguf or 'default' (tokenizer and chat template)", d.model)
-        add("--served-model-name", str, "name clients pass as `model` (default: the model's)")
-        add("--api-key", str, "when set, every API path needs `Authorization: Bearer <key>`")
-        add("--api-keys", _key_list, "comma-separated accepted keys, one per tenant", d.api_keys)
-        add("--max-body-bytes", int, "larger request bodies get 413", d.max_body_bytes)
-        add("--max-n", int, "largest n per request", d.max_n)
-        add("--max-prompts", int, "most prompts in one completions request", d.max_prompts)
-        add("--max-messages", int, "most messages in one chat request", d.max_messages)
-        add("--request-timeout", float, "seconds a request may take, then 504; 0: none", d.request_timeout)
-        add("--shutdown-timeout", float, "seconds SIGTERM waits for running requests", d.shutdown_timeout)
-        add("--tls-cert", str, "PEM client certificate presented to the scheduler (mutual TLS)")
-        add("--tls-key", str, "private key of --tls-cert")
-        add("--tls-ca", str, "PEM CA of the scheduler's certificate; enables TLS")
-        add_cluster_token_argument(add)
-        add("--log-level", str, "debug, info, warning, error", d.log_level)
-        flags.add_bool("--vllm-metric-aliases", "also export metrics under vLLM's `vllm:` names", True)
-        add(
-            "--tool-call-parser",
-            str,
-            "format of the model's tool calls: hermes or llama3_json",
-            d.tool_call_parser,
-            choices=PARSERS,
-        )
+        parser = build_parser(os.environ if env is None else env)
         args = parser.parse_args(argv)
         config = cls(**vars(args))
         if config.max_body_bytes <= 0:
@@ -105,6 +72,44 @@ class GatewayConfig:
         except ValueError as error:
             parser.error(str(error))
         return config
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The `pagedserve gateway` flags, each defaulting to its PAGEDSERVE_* variable."""
+    d = GatewayConfig()
+    parser = argparse.ArgumentParser(
+        prog="pagedserve gateway", description="OpenAI-compatible HTTP API and public gRPC API."
+    )
+    flags = EnvFlags(parser, env)
+    add = flags.add
+    add("--host", str, "address the HTTP and gRPC servers listen on", d.host)
+    add("--port", int, "HTTP port of the OpenAI API", d.port)
+    add("--grpc-port", int, "port of the public TextGenerationService gRPC API; 0: none", d.grpc_port)
+    add("--scheduler", str, "host:port of the scheduler's EngineService", d.scheduler)
+    add("--model", str, "model folder, .gguf or 'default' (tokenizer and chat template)", d.model)
+    add("--served-model-name", str, "name clients pass as `model` (default: the model's)")
+    add("--api-key", str, "when set, every API path needs `Authorization: Bearer <key>`")
+    add("--api-keys", _key_list, "comma-separated accepted keys, one per tenant", d.api_keys)
+    add("--max-body-bytes", int, "larger request bodies get 413", d.max_body_bytes)
+    add("--max-n", int, "largest n per request", d.max_n)
+    add("--max-prompts", int, "most prompts in one completions request", d.max_prompts)
+    add("--max-messages", int, "most messages in one chat request", d.max_messages)
+    add("--request-timeout", float, "seconds a request may take, then 504; 0: none", d.request_timeout)
+    add("--shutdown-timeout", float, "seconds SIGTERM waits for running requests", d.shutdown_timeout)
+    add("--tls-cert", str, "PEM client certificate presented to the scheduler (mutual TLS)")
+    add("--tls-key", str, "private key of --tls-cert")
+    add("--tls-ca", str, "PEM CA of the scheduler's certificate; enables TLS")
+    add_cluster_token_argument(add)
+    add("--log-level", str, "debug, info, warning, error", d.log_level)
+    flags.add_bool("--vllm-metric-aliases", "also export metrics under vLLM's `vllm:` names", True)
+    add(
+        "--tool-call-parser",
+        str,
+        "format of the model's tool calls: hermes or llama3_json",
+        d.tool_call_parser,
+        choices=PARSERS,
+    )
+    return parser
 
 
 def _key_list(text: str) -> tuple[str, ...]:

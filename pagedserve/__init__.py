@@ -1,7 +1,8 @@
 """pagedserve: an LLM inference server with a paged KV cache, continuous batching and prefix caching.
 
-`from pagedserve import LLM, SamplingParams` gives the offline API (pagedserve/llm.py); both are
-imported on first use, so `import pagedserve` stays light (no torch) for the gateway and the CLI.
+`from pagedserve import LLM, SamplingParams` gives the offline API (pagedserve/llm.py), and
+`AsyncLLMEngine` / `AsyncEngineArgs` the asyncio one (pagedserve/async_engine.py); each is imported on
+first use, so `import pagedserve` stays light (no torch) for the gateway and the CLI.
 """
 
 from __future__ import annotations
@@ -17,22 +18,36 @@ _LAZY = {
     "RequestOutput": "pagedserve.llm",
     "CompletionOutput": "pagedserve.llm",
     "SamplingParams": "pagedserve.sampling_params",
+    "RequestOutputKind": "pagedserve.sampling_params",
     "StructuredOutputsParams": "pagedserve.sampling_params",
     "GuidedDecodingParams": "pagedserve.sampling_params",
+    "AsyncLLMEngine": "pagedserve.async_engine",
+    "AsyncLLM": "pagedserve.async_engine",
+    "AsyncEngineArgs": "pagedserve.async_engine",
 }
 __all__ = [
     "LLM",
+    "AsyncEngineArgs",
+    "AsyncLLM",
+    "AsyncLLMEngine",
     "CompletionOutput",
     "GuidedDecodingParams",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
     "__version__",
 ]
 
 if TYPE_CHECKING:
+    from pagedserve.async_engine import AsyncEngineArgs, AsyncLLM, AsyncLLMEngine
     from pagedserve.llm import LLM, CompletionOutput, RequestOutput
-    from pagedserve.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+    from pagedserve.sampling_params import (
+        GuidedDecodingParams,
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
 
 def __getattr__(name: str) -> Any:

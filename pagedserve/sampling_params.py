@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.structured_outputs import Constraint, check_structured_output
@@ -15,6 +16,14 @@ _OFFLINE_LIMITS = Limits(max_n=(1 << 32) - 1)
 # grammar=..., json_object=...), and the older GuidedDecodingParams.
 StructuredOutputsParams = Constraint
 GuidedDecodingParams = Constraint
+
+
+class RequestOutputKind(Enum):
+    """What each output AsyncLLMEngine.generate yields holds (vLLM's names; LLM returns final outputs)."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # one output, when the request has finished
 
 
 @dataclass(slots=True)
@@ -56,12 +65,16 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's older name for structured_outputs.
     guided_decoding: GuidedDecodingParams | None = None
+    # What each streamed output holds (AsyncLLMEngine.generate); LLM.generate returns final outputs.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, not {self.output_kind!r}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, not {self.n}")
         for name in ("max_tokens", "min_tokens", "logprobs"):

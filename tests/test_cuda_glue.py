@@ -18,6 +18,7 @@ from worker_testing import drive_greedy, hf_greedy, load_hf, make_runner, save_t
 from pagedserve.kernels import cuda_ops
 from pagedserve.kernels.cuda_ops import CudaOps
 from pagedserve.kernels.reference import ReferenceOps
+from pagedserve.worker_svc.cuda_graphs import EagerCapture, capture_sizes
 
 CPU = torch.device("cpu")
 REFERENCE = ReferenceOps()
@@ -291,3 +292,59 @@ def test_serve_spreads_cuda_workers_over_the_gpus_and_splits_a_shared_ones_memor
     assert workers(0, "--workers", "2") == [("auto", None), ("auto", None)]  # auto, none: the CPU
     assert workers(4, "--workers", "2", "--device", "cuda:3") == [("cuda:3", "0.9"), ("cuda:3", "0.9")]
     assert workers(4, "--device", "cpu") == [("cpu", None)]
+
+
+# ---- CUDA graphs: the captured decode steps, replayed ------------------------------------------------
+
+
+class CountingCapture(EagerCapture):
+    """EagerCapture that counts the captures and the replays of each."""
+
+    def __init__(self) -> None:
+        self.captured: list[int] = []
+        self.replays = 0
+
+    def capture(self, step):
+        self.captured.append(len(self.captured))
+
+        def replay():
+            self.replays += 1
+            return step()
+
+        return replay
+
+
+def test_capture_sizes_cover_every_batch_up_to_the_largest():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_decode_steps_replayed_from_captured_graphs_decode_as_transformers(llama64, launcher):
+    # The runner on the CUDA ops with its plain decode steps replayed (padded to 4 rows from 2, the rows past
+    # them written nowhere): the same greedy tokens as transformers, and every decode step a replay.
+    runner = make_runner(llama64, num_blocks=16, block_size=16, ops=CudaOps(CPU, launcher))
+    capture = CountingCapture()
+    with torch.inference_mode():
+        runner.capture_decode_graphs([1, 4], capture)
+    assert len(capture.captured) == 2
+    before = [t.clone() for pair in runner.kv_cache.layers for t in pair]
+    assert all(t.eq(0).all() for t in before), "capturing wrote into the KV pool"
+    prompts = [[5, 17, 42, 9, 77, 3, 61, 90, 12, 33, 2, 8, 19, 4, 66, 70, 71, 13], [7, 8, 9]]
+    sampled = drive_greedy(runner, prompts, block_size=16, steps=12)
+    hf_model = load_hf(llama64)
+    assert sampled == [hf_greedy(hf_model, p, len(t)) for p, t in zip(prompts, sampled, strict=True)]
+    assert capture.replays == 10  # steps 3..12 are plain decode steps of two sequences
+
+
+def test_a_batch_larger_than_every_captured_size_runs_eagerly(llama64, launcher):
+    runner = make_runner(llama64, num_blocks=16, block_size=16, ops=CudaOps(CPU, launcher))
+    capture = CountingCapture()
+    with torch.inference_mode():
+        runner.capture_decode_graphs([1], capture)
+    prompts = [[5, 17, 42, 9], [7, 8, 9]]
+    sampled = drive_greedy(runner, prompts, block_size=16, steps=5)
+    hf_model = load_hf(llama64)
+    assert sampled == [hf_greedy(hf_model, p, len(t)) for p, t in zip(prompts, sampled, strict=True)]
+    assert capture.replays == 0

@@ -1044,7 +1044,9 @@ needs_gxx = pytest.mark.skipif(
 )
 
 
+# The compiles take minutes on two cores, longer on a loaded machine: their own deadline, not the suite's.
 @needs_gxx
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("march", MARCHES)
 def test_every_kernel_unit_compiles_for_each_instruction_set(compiled_marches, march):
     for result in compiled_marches[march]:
@@ -1052,6 +1054,7 @@ def test_every_kernel_unit_compiles_for_each_instruction_set(compiled_marches, m
 
 
 @needs_gxx
+@pytest.mark.timeout(1800)
 @pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm")
 @pytest.mark.parametrize("march", MARCHES)
 def test_every_kernel_function_a_unit_calls_is_defined_for_each_instruction_set(compiled_marches, march):

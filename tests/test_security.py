@@ -179,10 +179,32 @@ def test_grpc_request_over_the_body_limit_is_refused_by_grpc_itself(stack):
         assert list(stub.Generate(small, metadata=key, timeout=60))
 
 
-def test_api_keys_compare_in_constant_time_and_map_to_distinct_tenants():
+def test_api_keys_compare_in_constant_time_and_map_to_distinct_tenants(monkeypatch):
+    import hmac
+
+    from pagedserve.gateway import auth
     from pagedserve.gateway.auth import ApiKeys, combined_salt
 
+    # Every check compares the token with every key, each through hmac.compare_digest (whose time does not
+    # depend on where the bytes differ), and never stops at the first match: the time taken tells nothing
+    # of the key, nor of which key matched.
+    compared: list[tuple[bytes, bytes]] = []
+    original = hmac.compare_digest
+
+    def compare_digest(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return original(a, b)
+
+    monkeypatch.setattr(auth.hmac, "compare_digest", compare_digest)
     keys = ApiKeys([KEY_A, KEY_B])
+    for token in (KEY_A.encode(), KEY_B.encode(), b"tenant-a-ke", b"x" * 100, b""):
+        compared.clear()
+        keys.tenant(token)
+        assert [b for _, b in compared] == [KEY_A.encode(), KEY_B.encode()] and {a for a, _ in compared} == {
+            token
+        }
+    monkeypatch.undo()
+
     a, b = keys.tenant(KEY_A.encode()), keys.tenant(KEY_B.encode())
     assert a and b and a != b and KEY_A not in a
     assert keys.tenant(b"tenant-a-ke") is None and keys.tenant(b"") is None

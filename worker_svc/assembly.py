@@ -5,6 +5,7 @@ allocated, the runner over both, and the ModelInfo that describes them to the sc
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,12 @@ from pagedserve.kernels.ops import Ops
 from pagedserve.logging import get_logger
 from pagedserve.model_files import GenerationInfo, load_generation_info, model_name, resolve_model
 from pagedserve.v1 import worker_pb2
-from pagedserve.worker_svc.config import DEFAULT_GPU_MEMORY_UTILIZATION, WorkerConfig
+from pagedserve.worker_svc.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE,
+    WorkerConfig,
+)
+from pagedserve.worker_svc.cuda_graphs import CudaGraphCapture, capture_sizes
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
 from pagedserve.worker_svc.loader import load_model, parse_dtype, read_model_config
 from pagedserve.worker_svc.model import CausalLM
@@ -67,6 +73,8 @@ def assemble(
     seed: int | None = None,
     context_within_pool: bool = False,
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    enforce_eager: bool = False,
+    max_cudagraph_capture_size: int = DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE,
 ) -> LoadedWorker:
     """Load the model (a folder, a .gguf file, None for the default), size and allocate the KV pool (num_blocks,
     else from kv_cache_memory bytes, else the device's default budget), build the runner (its sampler's
@@ -74,7 +82,8 @@ def assemble(
     model's own; context_within_pool also bounds it by the pool, so that a sequence always fits the pool
     alone (the offline engine; a server's scheduler refuses such requests itself). On CUDA without either
     size, the pool takes what gpu_memory_utilization of the device leaves after the weights and a step's
-    activations."""
+    activations. On CUDA kernels, plain decode steps of up to max_cudagraph_capture_size sequences are
+    captured as CUDA graphs unless enforce_eager."""
     model_dir = resolve_model(model)
     torch_device = resolve_device(device)
     torch_dtype = parse_dtype(dtype, torch_device)
@@ -93,6 +102,11 @@ def assemble(
     kv_cache = KVCache(spec, num_blocks, torch_device)
     sampler = Sampler(mc.vocab_size, torch_device, seed=seed)
     runner = ModelRunner(loaded, kv_cache, max_model_len, sampler)
+    if runner.ops.name == "cuda" and not enforce_eager:
+        started = time.perf_counter()
+        sizes = capture_sizes(max_cudagraph_capture_size)
+        runner.capture_decode_graphs(sizes, CudaGraphCapture(torch_device))
+        log.info("cuda_graphs_captured", sizes=sizes, seconds=round(time.perf_counter() - started, 2))
     info = worker_pb2.ModelInfo(
         model=model_name(model_dir),
         num_blocks=num_blocks,
@@ -135,6 +149,8 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         kv_cache_memory=config.kv_cache_memory,
         max_model_len=config.max_model_len,
         gpu_memory_utilization=config.gpu_memory_utilization,
+        enforce_eager=config.enforce_eager,
+        max_cudagraph_capture_size=config.max_cudagraph_capture_size,
     )
     log.info(
         "kv_cache_allocated",

@@ -19,6 +19,8 @@ from pagedserve.grpc_utils import ServiceTLSFields, add_tls_arguments
 # On CUDA: the share of the device's memory a worker may hold in all (--gpu-memory-utilization, vLLM's name
 # and default), of which the KV pool takes what the weights and the forward pass's activations leave.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# On CUDA: decode batches up to this many sequences replay captured CUDA graphs.
+DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE = 256
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -73,6 +75,10 @@ class WorkerConfig(ServiceTLSFields):
     num_blocks: int | None = None
     # On CUDA: the share of the device's memory this worker may hold (see kv_cache.cuda_kv_budget).
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    # On CUDA: no CUDA graphs (every step runs eagerly); else plain decode steps of up to
+    # max_cudagraph_capture_size sequences replay graphs captured at start (see cuda_graphs).
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int = DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE
     # Longest sequence in tokens; None: the model's own context length.
     max_model_len: int | None = None
     # torch intra-op threads for the forward pass; None: torch's default (one per core).
@@ -103,6 +109,10 @@ class WorkerConfig(ServiceTLSFields):
             raise ValueError(f"num_blocks must be positive, not {self.num_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, not {self.kv_cache_memory}")
+        if self.max_cudagraph_capture_size <= 0:
+            raise ValueError(
+                f"max_cudagraph_capture_size must be positive, not {self.max_cudagraph_capture_size}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len <= 0:
@@ -179,6 +189,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "on CUDA, the share of the device's memory this worker may hold in all (weights, activations, KV "
         "pool); the pool takes the rest of it unless --kv-cache-memory or --num-blocks sizes it",
         default=DEFAULT_GPU_MEMORY_UTILIZATION,
+    )
+    flags.add_bool("--enforce-eager", "on CUDA, run every step eagerly: no CUDA graphs", False)
+    add(
+        "--max-cudagraph-capture-size",
+        int,
+        "on CUDA, the largest decode batch captured as a CUDA graph",
+        default=DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE,
     )
     add("--max-model-len", int, "longest sequence in tokens (default: the model's)")
     # NOTE: two threads win when the cores are free; when other processes share them, OpenMP's threads wait

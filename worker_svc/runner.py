@@ -8,8 +8,9 @@ every step's model inputs are built and into which its sampled tokens go.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 from pagedserve.errors import InvalidRequestError
 from pagedserve.v1 import common_pb2, worker_pb2
 from pagedserve.validation import Limits, check_sampling
+from pagedserve.worker_svc.cuda_graphs import DecodeGraphs, GraphCapture
 from pagedserve.worker_svc.kv_cache import KVCache
 from pagedserve.worker_svc.model import CausalLM
 from pagedserve.worker_svc.sampler import Sampler, SamplingMetadata, SlotSamplingState, compute_logprobs
@@ -86,8 +88,16 @@ class ModelRunner:
         self._sampler_slots: set[int] = set()
         self.last_step_id = 0
         self._idle_since: float | None = None
+        # Captured plain decode steps (CUDA graphs), where the worker captured them.
+        self.graphs: DecodeGraphs | None = None
 
     # ---- public API -------------------------------------------------------------------------------
+
+    def capture_decode_graphs(self, sizes: Sequence[int], capture: GraphCapture) -> None:
+        """Capture the plain decode step for batches of `sizes` sequences (see cuda_graphs); plain decode
+        steps that fit one of them replay it from then on."""
+        max_blocks = math.ceil(self.max_model_len / self.block_size)
+        self.graphs = DecodeGraphs(self.model, self._kv_layers, sizes, max_blocks, capture)
 
     def reset(self) -> None:
         """Forget every request; the next plan must have step id 1."""
@@ -236,7 +246,7 @@ class ModelRunner:
             self._append_blocks(plan)
         start = [state.num_computed_tokens for state in states]
         inputs = self.arrays.inputs(slots, start, None)
-        logits, t1, t2 = self._forward(inputs, None, before_forward)
+        logits, t1, t2 = self._forward(inputs, None, before_forward, self.graphs)
         result.step_id = plan.step_id
         for state in states:
             state.num_computed_tokens += 1
@@ -258,13 +268,17 @@ class ModelRunner:
         inputs: StepInputs,
         output_rows: torch.Tensor | None,
         before_forward: Callable[[], None] | None,
+        graphs: DecodeGraphs | None = None,
     ) -> tuple[torch.Tensor, float, float]:
-        """The forward pass: the logits of its output rows (every row when None), and its start and end."""
+        """The forward pass: the logits of its output rows (every row when None), and its start and end; a
+        plain decode step's by replaying a captured graph where `graphs` holds its size."""
         if before_forward is not None:
             before_forward()
         t1 = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self._kv_layers, output_rows)
-        logits = self.model.compute_logits(hidden)
+        logits = graphs.run(inputs) if graphs is not None else None
+        if logits is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self._kv_layers, output_rows)
+            logits = self.model.compute_logits(hidden)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return logits, t1, time.perf_counter()

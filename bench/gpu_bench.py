@@ -1,0 +1,501 @@
+"""The GPU goals measured side by side in one run (the last stage of `make gpu-check`).
+
+On a Llama-3-8B-shaped model with random weights (written to disk once: the machine has no model hub),
+with the default model's tokenizer and vocabulary so that text round-trips:
+
+  offline_tok_s / hf_static_tok_s  the offline `LLM` against transformers' `generate` with static batching at
+                                   its best batch size, on the same requests of the mixed workload's shape
+                                   (prompts 30-500 tokens, outputs 16-160, EOS ignored), on the same GPU
+  single_stream_ms_per_token       one request decoding alone, against single_stream_floor_ms: the weights'
+                                   bytes over the measured device copy bandwidth
+  decode_attention_bw_fraction     the paged decode attention at the goal shape (batch 64, 4096 positions,
+                                   32 query / 8 kv heads of 128, bf16, blocks of 16) over the copy bandwidth
+  served_stack_ok (+ TTFT, TPOT)   `pagedserve serve` on the model, loaded by `pagedserve bench serve` at
+                                   concurrency 1 and 64, with the worker's time between forward passes
+
+It writes the keys into --json (docs/gpu-check.json), a markdown table into --markdown, and prints the table.
+`--shape tiny --device cpu` runs the whole script on a small model on the CPU, to check it without a GPU.
+
+    python bench/gpu_bench.py [--shape llama3-8b] [--device cuda] [--json docs/gpu-check.json]
+        [--markdown bench/results/gpu_bench.md] [--junit bench/results/gpu_tests.xml] [--num-requests 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from compare_transformers import Work, run_hf_static, run_pagedserve, tokens_per_s  # noqa: E402
+
+RESULTS = HERE / "results"
+SHAPES = {
+    # Llama-3-8B's layers, widths and heads; the default model's vocabulary (its tokenizer's).
+    "llama3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "heads": (32, 8)},
+    "tiny": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "heads": (4, 2)},
+}
+GOAL_ATTENTION = {"batch": 64, "context": 4096, "num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+
+
+def log(message: str) -> None:
+    print(f"[gpu_bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def write_model(folder: Path, shape: str, device: str) -> Path:
+    """A Llama of the shape with random weights (scaled so activations stay finite), in `folder` as HF
+    safetensors, with the default model's tokenizer files."""
+    from safetensors.torch import save_file
+
+    from pagedserve.model_files import resolve_model
+
+    default = resolve_model(None)
+    vocab = json.loads((default / "config.json").read_text())["vocab_size"]
+    s = SHAPES[shape]
+    heads, kv_heads = s["heads"]
+    hidden, inter, layers = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
+    head_dim = hidden // heads
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    ):
+        if (default / name).exists():
+            shutil.copy(default / name, folder / name)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def weight(*shape_: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape_, generator=gen, device=device) * std).to(torch.bfloat16)
+
+    tensors = {
+        "model.embed_tokens.weight": weight(vocab, hidden, std=1.0),
+        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16, device=device),
+        "lm_head.weight": weight(vocab, hidden, std=hidden**-0.5),
+    }
+    weight_map: dict[str, str] = {}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16, device=device),
+            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16, device=device),
+            p + "self_attn.q_proj.weight": weight(heads * head_dim, hidden, std=hidden**-0.5),
+            p + "self_attn.k_proj.weight": weight(kv_heads * head_dim, hidden, std=hidden**-0.5),
+            p + "self_attn.v_proj.weight": weight(kv_heads * head_dim, hidden, std=hidden**-0.5),
+            p + "self_attn.o_proj.weight": weight(hidden, heads * head_dim, std=(heads * head_dim) ** -0.5),
+            p + "mlp.gate_proj.weight": weight(inter, hidden, std=hidden**-0.5),
+            p + "mlp.up_proj.weight": weight(inter, hidden, std=hidden**-0.5),
+            p + "mlp.down_proj.weight": weight(hidden, inter, std=inter**-0.5),
+        }
+        if len(tensors) > 64 or i == layers - 1:  # shards of a few layers: host memory holds one at a time
+            shard = f"model-{i:05d}.safetensors"
+            save_file({k: v.cpu() for k, v in tensors.items()}, folder / shard)
+            weight_map |= dict.fromkeys(tensors, shard)
+            tensors = {}
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    return folder
+
+
+def mixed_workload(n: int, vocab: int, seed: int = 0) -> list[Work]:
+    """The mixed workload's shape with random token ids (the model's weights are random too)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(30, 501, (n,), generator=gen).tolist()
+    output_lens = torch.randint(16, 161, (n,), generator=gen).tolist()
+    return [
+        Work(torch.randint(3, vocab, (p,), generator=gen).tolist(), o)
+        for p, o in zip(prompt_lens, output_lens, strict=True)
+    ]
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read plus written per second by a large device copy, the best of several."""
+    n = (2 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return 2 * n / best
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def offline(model_dir: Path, device: str, work: list[Work], max_num_seqs: int) -> dict:
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), device=device, dtype="bfloat16", max_num_seqs=max_num_seqs)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))  # the first step's one-time work
+    result = run_pagedserve(llm, work)
+    # One request alone: its decode steps' time per token (the first token, the prompt's, left out).
+    prompt, length = work[0].prompt_ids[:128], 256
+    start = time.perf_counter()
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=length, ignore_eos=True))
+    metrics = out.metrics
+    decode_s = metrics.finished_time - metrics.first_token_time
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
+    single = {
+        "single_stream_ms_per_token": 1e3 * decode_s / (length - 1),
+        "single_stream_seconds": time.perf_counter() - start,
+        "weight_bytes": weight_bytes,
+    }
+    del llm
+    return {"offline_tok_s": tokens_per_s(result), "offline_seconds": result.elapsed_s, **single}
+
+
+def hf_static(model_dir: Path, device: str, work: list[Work], batch_sizes: list[int]) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    best = None
+    runs = {}
+    for batch in batch_sizes:
+        result = run_hf_static(_OnDevice(model, device), work, batch, pad_id=0, sort=False)
+        runs[batch] = tokens_per_s(result)
+        log(f"transformers static batching B={batch}: {runs[batch]:.1f} output tokens/s")
+        if best is None or runs[batch] > runs[best]:
+            best = batch
+    del model
+    return {"hf_static_tok_s": runs[best], "hf_static_batch": best, "hf_static_by_batch": runs}
+
+
+class _OnDevice:
+    """The transformers model with generate's inputs moved to its device (run_hf_static builds them on
+    the CPU)."""
+
+    def __init__(self, model, device: str) -> None:
+        self.model, self.device = model, device
+
+    def generate(self, ids, attention_mask, generation_config):
+        out = self.model.generate(
+            ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            generation_config=generation_config,
+        )
+        sync(torch.device(self.device))
+        return out
+
+
+def decode_attention_fraction(device: torch.device, copy_bytes_per_s: float) -> float | None:
+    """The paged decode attention's K and V bytes per second at the goal shape over the copy bandwidth."""
+    if device.type != "cuda":
+        return None
+    from pagedserve.kernels import get_ops
+
+    ops = get_ops(device)
+    g = GOAL_ATTENTION
+    block = 16
+    blocks_per_seq = g["context"] // block
+    num_blocks = g["batch"] * blocks_per_seq
+    shape = (num_blocks, block, g["num_kv_heads"], g["head_dim"])
+    k = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    v = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(g["batch"], blocks_per_seq)
+    lens = torch.full((g["batch"],), g["context"], dtype=torch.int32, device=device)
+    q = torch.randn(g["batch"], g["num_q_heads"], g["head_dim"], device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        ops.paged_decode_attention(q, k, v, tables, lens, g["head_dim"] ** -0.5)
+    sync(device)
+    runs = 20
+    start = time.perf_counter()
+    for _ in range(runs):
+        ops.paged_decode_attention(q, k, v, tables, lens, g["head_dim"] ** -0.5)
+    sync(device)
+    seconds = (time.perf_counter() - start) / runs
+    kv_bytes = 2 * k.numel() * k.element_size()
+    # The copy's rate counts bytes read and written; the attention reads K and V.
+    return (kv_bytes / seconds) / (copy_bytes_per_s / 2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def served(model_dir: Path, device: str, out_dir: Path, num_prompts: int) -> dict:
+    """`pagedserve serve` on the model, loaded by `pagedserve bench serve` at concurrency 1 and 64."""
+    port = free_port()
+    exe = [sys.executable, "-P", "-m", "pagedserve.cli"]
+    serve = subprocess.Popen(
+        [
+            *exe,
+            "serve",
+            "--model",
+            str(model_dir),
+            "--device",
+            device,
+            "--dtype",
+            "bfloat16",
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(free_port()),
+            "--log-level",
+            "warning",
+        ],
+    )
+    results = {"served_stack_ok": False}
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5).status == 200:
+                    break
+            if serve.poll() is not None:
+                raise RuntimeError(f"pagedserve serve exited with {serve.returncode}")
+            time.sleep(2)
+        else:
+            raise TimeoutError("pagedserve serve was not ready within 300 s")
+        for concurrency in (1, 64):
+            name = f"served_c{concurrency}.json"
+            subprocess.run(
+                [
+                    *exe,
+                    "bench",
+                    "serve",
+                    "--base-url",
+                    f"http://127.0.0.1:{port}",
+                    "--dataset-name",
+                    "random",
+                    "--tokenizer",
+                    str(model_dir),
+                    "--random-input-len",
+                    "128",
+                    "--random-output-len",
+                    "128",
+                    "--num-prompts",
+                    str(num_prompts if concurrency > 1 else 8),
+                    "--max-concurrency",
+                    str(concurrency),
+                    "--save-result",
+                    "--no-plots",
+                    "--result-dir",
+                    str(out_dir),
+                    "--result-filename",
+                    name,
+                    "--disable-tqdm",
+                ],
+                check=True,
+                timeout=300,
+            )
+            run = json.loads((out_dir / name).read_text())["passes"][0]
+            metrics, worker = run["metrics"], run["worker"] or {}
+            results[f"served_c{concurrency}_ttft_ms_median"] = metrics["ttft"]["median"]
+            results[f"served_c{concurrency}_tpot_ms_median"] = metrics["tpot"]["median"]
+            results[f"served_c{concurrency}_between_passes_fraction"] = between_fraction(worker)
+            results[f"served_c{concurrency}_failed"] = metrics.get("failed", 0)
+        results["served_stack_ok"] = all(results[f"served_c{c}_failed"] == 0 for c in (1, 64))
+    except Exception as exc:  # the table says what failed; the run goes on to write what it has
+        results["served_error"] = repr(exc)
+    finally:
+        serve.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            serve.wait(60)
+        if serve.poll() is None:
+            serve.kill()
+    return results
+
+
+def between_fraction(worker: dict) -> float | None:
+    """The share of a step the worker spends between forward passes (sampling, hand-over, the next inputs)."""
+    if not worker.get("steps") or worker.get("forward_seconds") is None:
+        return None
+    forward = worker["forward_seconds"]
+    between = (
+        worker["step_seconds"]
+        - forward
+        + (worker.get("gap_seconds") or 0)
+        + (worker.get("prepare_seconds") or 0)
+    )
+    return between / (forward + between)
+
+
+def junit_counts(path: Path | None) -> dict:
+    """Failed, skipped and passed tests of the GPU tests' JUnit XML, and whether the runner parity passed."""
+    if path is None or not path.exists():
+        return {"tests_failed": None}
+    failed = skipped = total = 0
+    parity = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        total += 1
+        bad = case.find("failure") is not None or case.find("error") is not None
+        failed += bad
+        skipped += case.find("skipped") is not None
+        if "test_cuda_runner" in case.get("classname", ""):
+            parity.append(not bad and case.find("skipped") is None)
+    return {
+        "tests_total": total,
+        "tests_failed": failed,
+        "tests_skipped": skipped,
+        "runner_parity_ok": bool(parity) and all(parity),
+    }
+
+
+TABLE = [
+    ("offline throughput, output tokens/s", "offline_tok_s", "{:.0f}"),
+    ("transformers static batching, best B", "hf_static_tok_s", "{:.0f}"),
+    ("speedup (goal >= 10x)", "speedup_vs_hf_static", "{:.2f}x"),
+    ("single stream, ms per token", "single_stream_ms_per_token", "{:.3f}"),
+    ("single stream floor (weights / copy bandwidth), ms", "single_stream_floor_ms", "{:.3f}"),
+    ("single stream against its floor (goal <= 1.2x)", "single_stream_vs_floor", "{:.2f}x"),
+    ("decode attention, share of copy bandwidth (goal >= 0.8)", "decode_attention_bw_fraction", "{:.2f}"),
+    ("served stack healthy", "served_stack_ok", "{}"),
+    (
+        "served, concurrency 1: TTFT / TPOT median ms",
+        ("served_c1_ttft_ms_median", "served_c1_tpot_ms_median"),
+        "{:.1f} / {:.2f}",
+    ),
+    (
+        "served, concurrency 64: TTFT / TPOT median ms",
+        ("served_c64_ttft_ms_median", "served_c64_tpot_ms_median"),
+        "{:.1f} / {:.2f}",
+    ),
+    (
+        "between forward passes, concurrency 1 / 64 (goal < 0.05)",
+        ("served_c1_between_passes_fraction", "served_c64_between_passes_fraction"),
+        "{:.3f} / {:.3f}",
+    ),
+    ("GPU tests failed / skipped", ("tests_failed", "tests_skipped"), "{} / {}"),
+    ("runner on CUDA equals the CPU runner", "runner_parity_ok", "{}"),
+]
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"# GPU check, {report['date']}, {report['device']} ({report['shape']})",
+        "",
+        "| measure | value |",
+        "|---|---:|",
+    ]
+    for label, keys, fmt in TABLE:
+        keys = keys if isinstance(keys, tuple) else (keys,)
+        values = [report.get(k) for k in keys]
+        lines.append(
+            f"| {label} | {fmt.format(*values) if all(v is not None for v in values) else 'not measured'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--hf-batch-sizes", default="32,64,128")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--served-prompts", type=int, default=128)
+    parser.add_argument("--junit", type=Path, default=None, help="the GPU tests' JUnit XML")
+    parser.add_argument("--json", type=Path, default=RESULTS / "gpu_check.json")
+    parser.add_argument("--markdown", type=Path, default=RESULTS / "gpu_bench.md")
+    parser.add_argument("--skip", default="", help="comma-separated: offline,hf,attention,served")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    skip = set(filter(None, args.skip.split(",")))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    report: dict = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": name,
+        "shape": args.shape,
+        **junit_counts(args.junit),
+    }
+    args.markdown.parent.mkdir(parents=True, exist_ok=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        # After every part, so that a run cut short by its time limit still leaves what it measured.
+        args.markdown.write_text(markdown(report))
+        args.json.write_text(json.dumps(report, indent=1, default=str) + "\n")
+
+    with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
+        log(f"writing a {args.shape}-shaped model with random weights")
+        model_dir = write_model(Path(tmp) / "model", args.shape, args.device)
+        free(device)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        work = mixed_workload(args.num_requests, vocab)
+        copy = copy_bandwidth(device)
+        report["copy_gb_s"] = copy / 1e9
+        if "attention" not in skip:
+            report["decode_attention_bw_fraction"] = decode_attention_fraction(device, copy)
+            free(device)
+            save()
+        if "offline" not in skip:
+            log("offline LLM on the mixed workload, then a single stream")
+            report |= offline(model_dir, args.device, work, args.max_num_seqs)
+            report["single_stream_floor_ms"] = 1e3 * report["weight_bytes"] / (copy / 2)
+            report["single_stream_vs_floor"] = (
+                report["single_stream_ms_per_token"] / report["single_stream_floor_ms"]
+            )
+            free(device)
+            save()
+        if "hf" not in skip:
+            log("transformers static batching on the same requests")
+            sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+            report |= hf_static(model_dir, args.device, work, sizes)
+            free(device)
+        if report.get("offline_tok_s") and report.get("hf_static_tok_s"):
+            report["speedup_vs_hf_static"] = report["offline_tok_s"] / report["hf_static_tok_s"]
+        save()
+        if "served" not in skip:
+            log("the served stack under pagedserve bench serve")
+            report |= served(model_dir, args.device, args.markdown.parent, args.served_prompts)
+            save()
+    print(markdown(report))
+    log(f"wrote {args.json} and {args.markdown}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
