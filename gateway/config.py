@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagedserve.flags import EnvFlags
+from pagedserve.gateway.tool_calls import PARSERS
 from pagedserve.grpc_utils import ClusterAuth, TLSConfig, add_cluster_token_argument
 from pagedserve.validation import DEFAULT_LIMITS, Limits
 
@@ -36,6 +37,7 @@ class GatewayConfig:
     cluster_token_file: str | None = None  # file holding the cluster token (see grpc_utils.ClusterAuth)
     log_level: str = "info"  # structlog level
     vllm_metric_aliases: bool = True  # also export every metric under vLLM's `vllm:` names
+    tool_call_parser: str = "hermes"  # the format the model writes tool calls in (gateway/tool_calls.py)
 
     @property
     def tls(self) -> TLSConfig:
@@ -100,6 +102,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add_cluster_token_argument(add)
     add("--log-level", str, "debug, info, warning, error", d.log_level)
     flags.add_bool("--vllm-metric-aliases", "also export metrics under vLLM's `vllm:` names", True)
+    add(
+        "--tool-call-parser",
+        str,
+        "format of the model's tool calls: hermes or llama3_json",
+        d.tool_call_parser,
+        choices=PARSERS,
+    )
     return parser
 
 

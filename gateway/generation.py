@@ -28,6 +28,7 @@ from opentelemetry.context import Context
 from pagedserve import finish_reasons
 from pagedserve.errors import ModelNotFoundError, RequestTimeoutError, UnavailableError
 from pagedserve.logging import get_logger
+from pagedserve.structured_outputs import check_structured_output
 from pagedserve.v1 import common_pb2, engine_pb2
 from pagedserve.validation import (
     DEFAULT_LIMITS,
@@ -172,8 +173,12 @@ class GenerationCore:
 
     def check_sampling(self, sp: common_pb2.SamplingParams, names: dict[str, str] | None = None) -> None:
         """The sampling parameters' counts, ranges and n against the gateway's limits: the one check both
-        APIs make, before any prompt is tokenized."""
+        APIs make, before any prompt is tokenized. A structured-output constraint must compile (bounded by
+        llguidance's fuel limits; the scheduler compiles it again against the tokenizer)."""
         check_sampling(sp, limits=self.limits, vocab_size=self.tokenizer.vocab_size, names=names)
+        if sp.HasField("structured_output"):
+            param = (names or {}).get("structured_output", "structured_output")
+            check_structured_output(sp.structured_output, param)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """Token ids to detokenize: as many as a context holds, each in the vocabulary."""
@@ -194,16 +199,26 @@ class GenerationCore:
         return await self._off_loop(deadline, self.tokenizer.encode, text, add_special_tokens)
 
     async def render_chat(
-        self, messages: list[dict[str, str]], deadline: float | None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        deadline: float | None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> str:
-        """The chat template applied to messages (bounded in number), off the event loop."""
+        """The chat template applied to messages (bounded in number) and tools, off the event loop."""
         check_count(len(messages), self.limits.max_messages, "messages", "messages")
-        return await self._off_loop(deadline, self.tokenizer.render_chat, messages, add_generation_prompt)
+        return await self._off_loop(
+            deadline, self.tokenizer.render_chat, messages, add_generation_prompt, tools
+        )
 
     async def encode_chat(
-        self, messages: list[dict[str, str]], deadline: float | None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        deadline: float | None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> Prompt:
-        text = await self.render_chat(messages, deadline, add_generation_prompt)
+        text = await self.render_chat(messages, deadline, add_generation_prompt, tools)
         # The rendered template already holds the special tokens (BOS and the role markers).
         ids = await self.encode(text, deadline, add_special_tokens=False, param="messages")
         return Prompt(ids, text)

@@ -206,9 +206,10 @@ def create_app(
         req: ChatCompletionRequest = await parse(ChatCompletionRequest, request, deadline)
         core.check_model(req.model)
         sp = req.sampling_params()
+        tool_mode, tools = req.apply_tools(sp, config.tool_call_parser)
         core.check_sampling(sp, req.sampling_names())
         request_id = _request_id(state, request, req, "chatcmpl")
-        prompt = await core.encode_chat(req.template_messages(), deadline, req.add_generation_prompt)
+        prompt = await core.encode_chat(req.template_messages(), deadline, req.add_generation_prompt, tools)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         gen = _build(
             state,
@@ -221,7 +222,13 @@ def create_app(
             max_tokens_param=max_param,
             deadline=deadline,
         )
-        out = ChatFormatter(tokenizer, model.name, req, gen)
+        out = ChatFormatter(
+            tokenizer,
+            model.name,
+            req,
+            gen,
+            tool_parser=None if tool_mode == "none" else config.tool_call_parser,
+        )
         if req.stream:
             return await _sse_response(request, core.generate(gen), out.chunks)
         return JSONResponse(await _until_disconnect(request, out.collect(core.generate(gen))))

@@ -15,6 +15,8 @@ from typing import Any
 from .generation import ChoiceDelta, GenerationRequest, UsageInfo
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .tokenization import Tokenizer
+from .tool_calls import StreamingToolParser
+from .tool_calls import parse as parse_tool_calls
 
 
 def usage_dict(usage: UsageInfo) -> dict:
@@ -83,11 +85,12 @@ class _Formatter:
                 lps[item.index] = merge_logprobs(lps[item.index], lp)
             if item.finish_reason is not None:
                 finish[item.index], stop_reason[item.index] = item.finish_reason, item.stop_reason
+        # NOTE: a choice may override its finish reason (a chat choice that called tools: "tool_calls").
         choices = [
             {
-                **self._final_choice(i, "".join(texts[i]), lps[i]),
                 "finish_reason": finish[i],
                 "stop_reason": stop_reason[i],
+                **self._final_choice(i, "".join(texts[i]), lps[i]),
             }
             for i in range(self.num_choices)
         ]
@@ -208,22 +211,57 @@ class ChatFormatter(_Formatter):
     chunk_object_name = "chat.completion.chunk"
     req: ChatCompletionRequest
 
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_name: str,
+        req: ChatCompletionRequest,
+        gen: GenerationRequest,
+        tool_parser: str | None = None,
+    ):
+        super().__init__(tokenizer, model_name, req, gen)
+        # The format tool calls are parsed from (gateway/tool_calls.py); None: the text is all content.
+        self.tool_parser = tool_parser
+        self._streaming_tools = (
+            [StreamingToolParser(tool_parser) for _ in range(self.num_choices)] if tool_parser else None
+        )
+
     def choice_part(self, delta: ChoiceDelta) -> tuple[str, dict | None]:
         return delta.text, self._logprobs(delta)
 
     def _final_choice(self, index: int, text: str, logprobs: dict | None) -> dict:
-        return {
+        choice: dict[str, Any] = {
             "index": index,
             "message": {"role": "assistant", "content": text},
             "logprobs": (logprobs or {"content": []}) if self.req.logprobs else None,
         }
+        if self.tool_parser is not None:
+            content, calls = parse_tool_calls(self.tool_parser, text)
+            if calls:
+                choice["message"] = {
+                    "role": "assistant",
+                    "content": content,
+                    "tool_calls": [call.to_dict() for call in calls],
+                }
+                choice["finish_reason"] = "tool_calls"
+        return choice
 
     def _chunk_choice(self, delta: ChoiceDelta, text: str, logprobs: dict | None) -> dict:
+        calls = []
+        if self._streaming_tools is not None:
+            parser = self._streaming_tools[delta.index]
+            text = parser.add(text)
+            if delta.finish_reason is not None:
+                rest, calls = parser.finish()
+                text += rest
+        message: dict[str, Any] = {"content": text} if text else {}
+        if calls:
+            message["tool_calls"] = [call.to_dict(index=k) for k, call in enumerate(calls)]
         choice: dict[str, Any] = {
             "index": delta.index,
-            "delta": {"content": text} if text else {},
+            "delta": message,
             "logprobs": logprobs,
-            "finish_reason": delta.finish_reason,
+            "finish_reason": "tool_calls" if calls else delta.finish_reason,
         }
         if delta.finish_reason is not None:
             choice["stop_reason"] = delta.stop_reason

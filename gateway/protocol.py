@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pagedserve.errors import InvalidRequestError
+from pagedserve.gateway.tool_calls import MAX_TOOLS, check_tools, forcing_grammar
+from pagedserve.structured_outputs import MAX_CHOICES, Constraint
 from pagedserve.v1 import common_pb2
 from pagedserve.validation import (
     DEFAULT_LIMITS,
@@ -34,6 +36,21 @@ class _Request(BaseModel):
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs` object (one constraint)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(_Request):
@@ -63,6 +80,52 @@ class _SamplingFields(_Request):
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its older
+    # guided_* fields; at most one constraint over all of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_output(self) -> tuple[common_pb2.StructuredOutput | None, str]:
+        """The request's constraint and the parameter the client gave it by (for errors)."""
+        found: list[tuple[str, Constraint]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", Constraint(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            spec = rf.json_schema
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise InvalidRequestError(
+                    "response_format: json_schema needs an object with a name", "response_format"
+                )
+            schema = spec.get("schema")
+            # NOTE: OpenAI makes the schema optional; without one any JSON object is taken.
+            constraint = Constraint(json_object=True) if schema is None else Constraint(json=schema)
+            found.append(("response_format", constraint))
+        if (so := self.structured_outputs) is not None:
+            constraint = Constraint(so.json_, so.regex, so.choice, so.grammar, so.json_object)
+            if constraint.to_proto("structured_outputs") is not None:
+                found.append(("structured_outputs", constraint))
+        for param, constraint in (
+            ("guided_json", Constraint(json=self.guided_json)),
+            ("guided_regex", Constraint(regex=self.guided_regex)),
+            ("guided_choice", Constraint(choice=self.guided_choice)),
+            ("guided_grammar", Constraint(grammar=self.guided_grammar)),
+        ):
+            if constraint.to_proto(param) is not None:
+                found.append((param, constraint))
+        if not found:
+            return None, "structured_output"
+        if len(found) > 1:
+            names = ", ".join(param for param, _ in found)
+            raise InvalidRequestError(
+                f"at most one structured output constraint may be given, got {names}", found[1][0]
+            )
+        param, constraint = found[0]
+        return constraint.to_proto(param), param
 
     @property
     def include_usage(self) -> bool:
@@ -111,7 +174,14 @@ class _SamplingFields(_Request):
             except ValueError:
                 raise InvalidRequestError(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
             sp.logit_bias[_checked_uint(token_id, "logit_bias")] = bias
+        structured, _ = self.structured_output()
+        if structured is not None:
+            sp.structured_output.CopyFrom(structured)
         return sp
+
+    def _names(self) -> dict[str, str]:
+        """SamplingParams fields both APIs call by another name (for errors)."""
+        return {"structured_output": self.structured_output()[1]}
 
 
 def _checked_uint(value: int, param: str) -> int:
@@ -178,7 +248,7 @@ class CompletionRequest(_SamplingFields):
 
     def sampling_names(self) -> dict[str, str]:
         """SamplingParams fields this API calls by another name (for errors)."""
-        return {}
+        return self._names()
 
 
 class ContentPart(_Request):
@@ -190,6 +260,21 @@ class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant's calls ({"id", "type": "function", "function": {"name", "arguments"}}), and the call a
+    # tool message answers.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates take it: text content, and a call's arguments as an object."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(call) for call in self.tool_calls]
+        return message
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -204,8 +289,31 @@ class ChatMessage(_Request):
         return "\n".join(parts)
 
 
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidRequestError("messages: a tool call needs a function with a name", "messages")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments else {}
+        except ValueError:
+            raise InvalidRequestError(
+                "messages: a tool call's arguments are not valid JSON", "messages"
+            ) from None
+    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # Functions the model may call ({"type": "function", "function": {"name", "description", "parameters"}}),
+    # and whether it must: "none", "auto", "required" or {"type": "function", "function": {"name"}}.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -213,11 +321,25 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM extension: end the rendered prompt with the assistant's turn marker.
     add_generation_prompt: bool = True
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-            for m in self.messages
-        ]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
+    def apply_tools(self, sp: common_pb2.SamplingParams, parser: str) -> tuple[str, list[dict] | None]:
+        """(mode, tools for the chat template) of the request's tools and tool_choice (tool_calls.check_tools);
+        a forced call ("required", or a named function) becomes sp's constraint, a grammar of the parser's
+        format, so it cannot come with another one."""
+        mode, functions = check_tools(self.tools or [], self.tool_choice)
+        if mode == "forced":
+            if sp.HasField("structured_output"):
+                raise InvalidRequestError(
+                    "a required or named tool_choice cannot come with another structured output constraint",
+                    "tool_choice",
+                )
+            grammar = forcing_grammar(
+                parser, functions, self.parallel_tool_calls and self.tool_choice == "required"
+            )
+            sp.structured_output.grammar = grammar
+        return mode, (self.tools if mode != "none" else None)
 
     def sampling_params(self) -> common_pb2.SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -226,7 +348,9 @@ class ChatCompletionRequest(_SamplingFields):
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
     def sampling_names(self) -> dict[str, str]:
-        names = {"logprobs": "top_logprobs"}
+        names = {"logprobs": "top_logprobs", **self._names()}
+        if self.tools and self.tool_choice not in (None, "none", "auto"):
+            names["structured_output"] = "tool_choice"
         if self.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         return names
@@ -290,6 +414,8 @@ def check_sizes(data: dict[str, Any], limits: Limits, max_model_len: int | None 
         )
         check_count(parts, limits.max_messages, "messages", "content parts")
     for field, limit, what in (
+        ("guided_choice", MAX_CHOICES, "choices"),
+        ("tools", MAX_TOOLS, "tools"),
         ("stop", limits.max_stop_strings, "strings"),
         ("stop_token_ids", limits.max_stop_token_ids, "ids"),
         ("logit_bias", limits.max_logit_bias, "entries"),

@@ -75,12 +75,15 @@ class Tokenizer:
             list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The chat template applied to messages, and to the tools (OpenAI's tool objects) when given."""
         if not self.has_chat_template:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
         try:
             return self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as error:  # the template is the model's Jinja code: its errors are the input's
             raise InvalidRequestError(f"could not render the chat template: {error}", "messages") from error

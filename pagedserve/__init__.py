@@ -19,6 +19,8 @@ _LAZY = {
     "CompletionOutput": "pagedserve.llm",
     "SamplingParams": "pagedserve.sampling_params",
     "RequestOutputKind": "pagedserve.sampling_params",
+    "StructuredOutputsParams": "pagedserve.sampling_params",
+    "GuidedDecodingParams": "pagedserve.sampling_params",
     "AsyncLLMEngine": "pagedserve.async_engine",
     "AsyncLLM": "pagedserve.async_engine",
     "AsyncEngineArgs": "pagedserve.async_engine",
@@ -29,16 +31,23 @@ __all__ = [
     "AsyncLLM",
     "AsyncLLMEngine",
     "CompletionOutput",
+    "GuidedDecodingParams",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]
 
 if TYPE_CHECKING:
     from pagedserve.async_engine import AsyncEngineArgs, AsyncLLM, AsyncLLMEngine
     from pagedserve.llm import LLM, CompletionOutput, RequestOutput
-    from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+    from pagedserve.sampling_params import (
+        GuidedDecodingParams,
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
 
 def __getattr__(name: str) -> Any:

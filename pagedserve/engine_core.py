@@ -35,6 +35,7 @@ from pagedserve.scheduler_svc.plan import PlanBuilder
 from pagedserve.scheduler_svc.request import Request
 from pagedserve.scheduler_svc.scheduler import RequestOutput as TokenUpdate
 from pagedserve.scheduler_svc.scheduler import Scheduler
+from pagedserve.scheduler_svc.structured_output import Grammar, GrammarCompiler, load_tokenizer
 from pagedserve.service_main import freeze_startup_objects
 from pagedserve.v1 import common_pb2
 from pagedserve.validation import check_max_tokens, check_prompt
@@ -156,6 +157,8 @@ class EngineCore:
         self.plan_builder = PlanBuilder()
         # Live requests by id; a request leaves when it finishes or is aborted.
         self.requests: dict[str, TrackedRequest] = {}
+        # Compiles structured-output constraints; made with the first constrained request.
+        self._grammars: GrammarCompiler | None = None
         self.stats = StepStats()
         freeze_startup_objects()
 
@@ -197,6 +200,8 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             arrival_time=time.time(),
         )
+        if proto.HasField("structured_output"):
+            req.grammar = self._compile(proto.structured_output)
         arrival = time.perf_counter()
         self.scheduler.add_request(req)
         # EOS and stop token ids end a sequence; their text is hidden.
@@ -224,6 +229,16 @@ class EngineCore:
         tracked = TrackedRequest(sp, sequences, result)
         self.requests[request_id] = tracked
         return tracked
+
+    def _compile(self, so: common_pb2.StructuredOutput) -> Grammar:
+        """A structured-output constraint compiled as the scheduler service compiles it; ValueError if not."""
+        if self._grammars is None:
+            vocab_size = self.model.config.vocab_size
+            self._grammars = GrammarCompiler(load_tokenizer(self.model_dir, vocab_size, self.eos_token_ids))
+        try:
+            return self._grammars.compile_sync(so, "structured_outputs")
+        except InvalidRequestError as error:
+            raise ValueError(error.message) from None
 
     def abort_request(self, request_id: str) -> TrackedRequest | None:
         """Abort a live request: its blocks are released now, and its unfinished sequences end with

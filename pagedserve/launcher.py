@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedserve.gateway.tool_calls import PARSERS
 from pagedserve.logging import configure_logging, get_logger
 from pagedserve.worker_svc.config import DEFAULT_GPU_MEMORY_UTILIZATION
 
@@ -116,6 +117,8 @@ class LaunchConfig:
     # Seconds before a child's first restart; doubles with each restart of it in the last minute.
     restart_backoff: float
     log_level: str
+    # The format the model writes tool calls in (the gateway's --tool-call-parser); None: the gateway's default.
+    tool_call_parser: str | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds before a process that died starts again; doubles with each restart in the last minute",
     )
     parser.add_argument("--log-level", default=env.get("PAGEDSERVE_LOG_LEVEL", "info"))
+    parser.add_argument(
+        "--tool-call-parser", choices=PARSERS, default=None, help="format of the model's tool calls (gateway)"
+    )
     return parser
 
 
@@ -447,6 +453,8 @@ def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, sched
         gateway += ["--api-key", config.api_key]
     if config.api_keys:
         gateway += ["--api-keys", config.api_keys]
+    if config.tool_call_parser:
+        gateway += ["--tool-call-parser", config.tool_call_parser]
     gateway += ["--shutdown-timeout", str(config.shutdown_timeout), *_tls_args(certs, server=False), *level]
     return scheduler, workers, gateway
 

@@ -6,10 +6,16 @@ from dataclasses import dataclass
 from enum import Enum
 
 from pagedserve.errors import InvalidRequestError
+from pagedserve.structured_outputs import Constraint, check_structured_output
 from pagedserve.v1 import common_pb2
 from pagedserve.validation import Limits, check_sampling, reduce_seed
 
 _OFFLINE_LIMITS = Limits(max_n=(1 << 32) - 1)
+
+# vLLM's names for a structured-output constraint: StructuredOutputsParams(json=..., regex=..., choice=...,
+# grammar=..., json_object=...), and the older GuidedDecodingParams.
+StructuredOutputsParams = Constraint
+GuidedDecodingParams = Constraint
 
 
 class RequestOutputKind(Enum):
@@ -55,6 +61,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Keep the matched stop string at the end of the text.
     include_stop_str_in_output: bool = False
+    # Constrain the output to a JSON schema, regex, choice or grammar (one of them).
+    structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's older name for structured_outputs.
+    guided_decoding: GuidedDecodingParams | None = None
     # What each streamed output holds (AsyncLLMEngine.generate); LLM.generate returns final outputs.
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -72,8 +82,13 @@ class SamplingParams:
             if value is not None and not 0 <= value < 1 << 32:
                 raise ValueError(f"{name} must be a non-negative integer, not {value}")
         # NOTE: the ranges are the server's (pagedserve.validation); n is bounded by the LLM's max_num_seqs.
+        if self.structured_outputs is not None and self.guided_decoding is not None:
+            raise ValueError("give structured_outputs or guided_decoding, not both")
         try:
-            check_sampling(self.to_proto(), limits=_OFFLINE_LIMITS)
+            sp = self.to_proto()
+            check_sampling(sp, limits=_OFFLINE_LIMITS, names={"structured_output": "structured_outputs"})
+            if sp.HasField("structured_output"):
+                check_structured_output(sp.structured_output, "structured_outputs")
         except InvalidRequestError as error:
             raise ValueError(error.message) from None
 
@@ -101,4 +116,7 @@ class SamplingParams:
             sp.max_tokens = self.max_tokens
         if self.logprobs is not None:
             sp.logprobs = self.logprobs
+        constraint = self.structured_outputs or self.guided_decoding
+        if constraint is not None and (so := constraint.to_proto("structured_outputs")) is not None:
+            sp.structured_output.CopyFrom(so)
         return sp

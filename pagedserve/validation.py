@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pagedserve.errors import InvalidRequestError
+from pagedserve.structured_outputs import check_shape
 from pagedserve.v1 import common_pb2
 
 # Seeds live in uint64: any integer a client sends is taken modulo 2^64, and forks add to it there.
@@ -115,6 +116,8 @@ def check_sampling(
     for token_id, bias in sp.logit_bias.items():
         if not -100.0 <= bias <= 100.0:
             fail("logit_bias", f"values must be in [-100, 100], got {bias:g} for token {token_id}")
+    if sp.HasField("structured_output"):
+        check_shape(sp.structured_output, names.get("structured_output", "structured_output"))
     if any(not s for s in sp.stop):
         fail("stop", "must not contain empty strings")
     if any(len(s) > limits.max_stop_chars for s in sp.stop):

@@ -33,6 +33,7 @@ from pagedserve.scheduler_svc.request_stream import END, RequestStream
 from pagedserve.scheduler_svc.router import choose_worker
 from pagedserve.scheduler_svc.scheduler import RequestFailure, RequestOutput
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
+from pagedserve.scheduler_svc.structured_output import Grammar, GrammarCompiler
 from pagedserve.scheduler_svc.worker_loop import PromptLogprobs, WorkerEngine, WorkerLoopSettings
 from pagedserve.v1 import common_pb2, engine_pb2, worker_pb2, worker_pb2_grpc
 from pagedserve.validation import check_max_tokens, check_prompt, check_sampling, check_text
@@ -52,8 +53,12 @@ class Engine:
         max_model_len: int,
         vocab_size: int,
         on_health_change: Callable[[bool], None] | None = None,
+        grammars: GrammarCompiler | None = None,
     ):
         self.config = config
+        # Compiles structured-output constraints for the model's tokenizer; None: the model has no
+        # tokenizer.json, and constrained requests are refused.
+        self.grammars = grammars
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -318,6 +323,8 @@ class Engine:
         return not self.streams
 
     async def close(self) -> None:
+        if self.grammars is not None:
+            self.grammars.close()
         for task in self._reconnects.values():
             task.cancel()
         for worker in list(self.workers.values()):
@@ -326,13 +333,32 @@ class Engine:
             self._fail(stream, UnavailableError("the scheduler is shutting down"))
 
     # --- requests ---
-    def submit(self, msg: engine_pb2.GenerateTokensRequest, span=None) -> RequestStream:
+    async def compile(self, msg: engine_pb2.GenerateTokensRequest) -> Grammar | None:
+        """The request's structured-output constraint compiled (off the loop, bounded in time), or None when it
+        has none; InvalidRequestError when it does not compile."""
+        if not msg.sampling.HasField("structured_output"):
+            return None
+        check_sampling(msg.sampling, limits=self.config.limits, vocab_size=self.vocab_size or None)
+        if self.grammars is None:
+            raise InvalidRequestError(
+                "structured outputs are not available: the model has no tokenizer.json", "structured_output"
+            )
+        return await self.grammars.compile(msg.sampling.structured_output)
+
+    def submit(
+        self, msg: engine_pb2.GenerateTokensRequest, span=None, grammar: Grammar | None = None
+    ) -> RequestStream:
+        """Route a request (its constraint compiled by compile() first)."""
         if self.draining:
             raise UnavailableError("the scheduler is shutting down; retry on another replica or later")
         self._validate(msg)
         if msg.request_id in self.streams:
             raise InvalidRequestError(f"request id {msg.request_id!r} is already live", param="request_id")
-        stream = RequestStream(msg, span)
+        if msg.sampling.HasField("structured_output") and grammar is None:
+            raise InvalidRequestError(
+                "the structured output constraint was not compiled", "structured_output"
+            )
+        stream = RequestStream(msg, span, grammar)
         self._check_queue(stream)
         if not self.streams:
             self._progress_at = time.monotonic()  # work is pending from now on

@@ -98,6 +98,10 @@ class PlanBuilder:
         plan.num_scheduled_tokens.extend(out.num_scheduled_tokens)
         plan.num_new_blocks.extend(num_new_blocks)
         plan.new_block_ids.extend(new_block_ids)
+        if out.masked:
+            assert out.token_masks is not None and len(out.token_masks) == len(out.masked)
+            plan.mask_slots.extend([slot_of[req] for req in out.masked])
+            plan.token_masks = out.token_masks.tobytes()
         self._steps[out.step_id] = (slots, out.scheduled)
         self._steps.pop(out.step_id - _KEPT_STEPS, None)
         return request

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedserve.v1 import common_pb2, engine_pb2
 from pagedserve.validation import child_seed
 
 from .prefix_cache import CacheNode
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from .structured_output import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -39,6 +45,8 @@ class Request:
     index: int = 0
     # W3C trace context of the request's span (opaque to the core; the worker's span hangs under it).
     trace_context: dict[str, str] = field(default_factory=dict)
+    # The compiled structured-output constraint; None: unconstrained.
+    grammar: Grammar | None = None
 
     # --- set by the scheduler ---
     # Arrival order among all requests (forks share their parent's).
@@ -77,6 +85,8 @@ class Request:
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     # The stop token id (from sampling.stop_token_ids) that ended it, when one did.
     stop_token_id: int | None = None
+    # This sequence's grammar matcher (its state after every token received), when it has a grammar.
+    matcher: llguidance.LLMatcher | None = None
 
     # --- from sampling, as plain Python (read every step; proto field access is slow) ---
     # Tokens generated before EOS or a stop token id may end the sequence.
@@ -183,6 +193,8 @@ class Request:
             arrival_time=self.arrival_time,
             index=index,
             trace_context=self.trace_context,
+            grammar=self.grammar,
+            matcher=None if self.matcher is None else self.matcher.deep_copy(),
             arrival_seq=self.arrival_seq,
             sort_key=(self.sort_key[0], self.sort_key[1], index),
             max_output_tokens=self.max_output_tokens,

@@ -20,6 +20,7 @@ from pagedserve.tracing import inject_metadata
 from pagedserve.v1 import common_pb2, engine_pb2
 
 if TYPE_CHECKING:
+    from pagedserve.scheduler_svc.structured_output import Grammar
     from pagedserve.scheduler_svc.worker_loop import WorkerEngine
 
 # Sentinel that ends a RequestStream's queue.
@@ -40,9 +41,11 @@ class SequenceProgress:
 class RequestStream:
     """One Generate call: the queue its messages go through, and what its client has seen."""
 
-    def __init__(self, msg: engine_pb2.GenerateTokensRequest, span=None):
+    def __init__(self, msg: engine_pb2.GenerateTokensRequest, span=None, grammar: Grammar | None = None):
         self.request_id = msg.request_id
         self.msg = msg
+        # Its compiled structured-output constraint (each sequence gets a matcher of it); None: unconstrained.
+        self.grammar = grammar
         self.n = max(1, msg.sampling.n)
         # Wall-clock arrival (the core's unit) and monotonic arrival (for latencies).
         self.arrival_time = time.time()
@@ -111,4 +114,5 @@ class RequestStream:
             ]
         for request in requests:
             request.trace_context = self.trace_context
+            request.grammar = self.grammar
         return requests

@@ -7,7 +7,9 @@ request (lowest priority, latest arrival) is preempted by recomputation.
 
 Pipelining: schedule() may run again before the previous step's update_from_output(). A request
 that samples at a step gets a pending placeholder token, so the next step can compute it (the
-worker feeds each decode its own last sample) before its id is known here.
+worker feeds each decode its own last sample) before its id is known here. Not so a request under a
+structured-output constraint: its next mask depends on the token in flight, so it is scheduled again
+only once that token has come back and advanced its matcher (the rest of the batch keeps pipelining).
 
 No request can take the others down: an exception in one request's part of a step (its admission,
 its fork, its bookkeeping when a result comes in) fails that request alone, its blocks freed, and the
@@ -20,12 +22,15 @@ import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedserve import finish_reasons
 from pagedserve.v1 import common_pb2, worker_pb2
 
 from .config import SchedulerConfig
 from .kv_cache_manager import CowCopy, KVCacheManager, PrefixHit
 from .request import Request, RequestStatus
+from .structured_output import MaskFiller, matcher_error
 
 
 @dataclass(slots=True)
@@ -47,6 +52,10 @@ class SchedulerOutput:
     preempted: list[Request]
     # Sum of num_scheduled_tokens, in tokens.
     total_num_scheduled_tokens: int
+    # Sampled requests under a structured-output constraint, in plan order.
+    masked: list[Request] = field(default_factory=list)
+    # Their token masks: int32 [len(masked), ceil(vocab_size / 32)], llguidance's packed bits; None if none.
+    token_masks: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -137,6 +146,8 @@ class Scheduler:
         self._finished_by_reason = {"stop": 0, "length": 0, "abort": 0}
         # Requests failed since the last take_failures().
         self._failures: list[RequestFailure] = []
+        # Computes the masks of constrained rows; made with the first of them.
+        self._masks: MaskFiller | None = None
         # Sequences waiting (a parent counts its sequences not forked yet), and the tokens they may
         # hold at most (prompt plus max_output_tokens each): the weights of the waiting queue.
         self.num_waiting_seqs = 0
@@ -172,6 +183,8 @@ class Scheduler:
         if (refusal := pool_refusal(cfg, req.prompt_len, req.max_output_tokens, n)) is not None:
             # NOTE: refused up front because alone in the pool it could never finish.
             raise ValueError(refusal)
+        if req.grammar is not None and req.matcher is None:
+            req.matcher = req.grammar.matcher(req.token_ids[req.prompt_len :])
         if group is None:
             self._num_arrivals += 1
             req.arrival_seq = self._num_arrivals
@@ -304,6 +317,8 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             i += 1
+            if req.num_pending_tokens and req.matcher is not None:
+                continue  # constrained: its next mask waits for the token in flight
             # NOTE: a try costs nothing until it catches (Python 3.11).
             try:
                 start = req.num_computed_tokens
@@ -394,6 +409,8 @@ class Scheduler:
             cows = [c for c in cows if c.request.request_id not in failed]
             budget = cfg.max_num_batched_tokens - sum(counts)
         assert len(running) <= cfg.max_num_seqs
+        masked = [r for r in sampled if r.matcher is not None]
+        token_masks = self._token_masks(masked) if masked else None
         out = SchedulerOutput(
             step_id=self._step_id,
             scheduled=scheduled,
@@ -403,10 +420,21 @@ class Scheduler:
             finished=self._finished,
             preempted=self._preempted,
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+            masked=masked,
+            token_masks=token_masks,
         )
         self._finished = []
         self._preempted = []
         return out
+
+    def _token_masks(self, masked: list[Request]) -> np.ndarray:
+        """The masks of the constrained rows that sample this step, from their matchers as the tokens
+        received left them (none of them has a token in flight)."""
+        if self._masks is None:
+            grammar = masked[0].grammar
+            assert grammar is not None
+            self._masks = MaskFiller(grammar.vocab_size)
+        return self._masks.fill([r.matcher for r in masked])
 
     def _admission(self, req: Request, budget: int) -> tuple[PrefixHit, int] | None:
         """(prefix-cache hits, tokens to compute now) if the waiting request can be admitted with
@@ -652,6 +680,8 @@ class Scheduler:
                 if offsets is not None and req.wants_logprobs:
                     logprobs = [_token_logprob(result, i, offsets[i], token)]
                 reason = req.check_stop(token)
+                if req.matcher is not None and not reason:
+                    reason = self._advance_matcher(req, token)
                 if reason:
                     self._finish(req, reason)
                 elif req.cache_node is not None and (
@@ -669,6 +699,16 @@ class Scheduler:
                 self._fail_request(req, "taking its sampled token", error)
         self._generation_tokens += len(outputs)
         return outputs
+
+    @staticmethod
+    def _advance_matcher(req: Request, token: int) -> int:
+        """Feed a constrained sequence's token to its matcher: STOP once the text is complete and nothing may
+        follow, else UNSPECIFIED; ValueError (the request fails) if the grammar refuses it."""
+        matcher = req.matcher
+        assert matcher is not None
+        if not matcher.consume_token(token):
+            raise ValueError(f"the {req.grammar.description} refused token {token}: {matcher_error(matcher)}")
+        return common_pb2.FINISH_REASON_STOP if matcher.is_stopped() else common_pb2.FINISH_REASON_UNSPECIFIED
 
     @staticmethod
     def _output(req: Request, token_ids: list[int], logprobs) -> RequestOutput:
@@ -732,8 +772,8 @@ def _num_tokens_to_compute(req: Request) -> int:
     """Tokens a running request would compute now, budget and blocks permitting (as schedule())."""
     if req.pending_forks:
         return req.prompt_len - 1 - req.num_computed_tokens
-    if not req.can_sample():
-        return 0  # its last samples are in flight
+    if not req.can_sample() or (req.num_pending_tokens and req.matcher is not None):
+        return 0  # its last samples are in flight (a constrained request waits for its one)
     return req.num_tokens - req.num_computed_tokens
 
 

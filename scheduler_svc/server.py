@@ -26,6 +26,7 @@ from pagedserve.model_files import load_generation_info, model_name, resolve_mod
 from pagedserve.scheduler_svc.engine import Engine
 from pagedserve.scheduler_svc.request_stream import END, RequestStream
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
+from pagedserve.scheduler_svc.structured_output import GrammarCompiler, load_tokenizer
 from pagedserve.service_main import freeze_startup_objects, run_service, stop_on_signals
 from pagedserve.tracing import extract_context, get_tracer
 from pagedserve.v1 import engine_pb2, engine_pb2_grpc
@@ -57,7 +58,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         stream: RequestStream | None = None
         try:
             try:
-                stream = self.engine.submit(request, span)
+                grammar = await self.engine.compile(request)
+                stream = self.engine.submit(request, span, grammar)
             except PagedServeError as error:
                 span.set_status(Status(StatusCode.ERROR, error.message))
                 log.info("request_refused", error=error.message)
@@ -118,18 +120,27 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return response
 
 
-def load_engine_facts(config: SchedulerServiceConfig) -> tuple[str, frozenset[int], int, int]:
-    """(model name, eos ids, max_model_len, vocab size) from the model's JSON files alone."""
+def load_engine_facts(
+    config: SchedulerServiceConfig,
+) -> tuple[str, frozenset[int], int, int, GrammarCompiler | None]:
+    """(model name, eos ids, max_model_len, vocab size, structured-output compiler) from the model's JSON
+    files alone (tokenizer.json for the compiler: None without one)."""
     model_dir = resolve_model(config.model)
     generation = load_generation_info(model_dir)
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     max_model_len = min(config.max_model_len or generation.max_model_len, generation.max_model_len)
-    return (
-        model_name(model_dir),
-        frozenset(generation.eos_token_ids),
-        max_model_len,
-        int(hf_config.get("vocab_size", 0)),
-    )
+    vocab_size = int(hf_config.get("vocab_size", 0))
+    grammars = None
+    if (Path(model_dir) / "tokenizer.json").is_file() and vocab_size:
+        grammars = GrammarCompiler(
+            load_tokenizer(model_dir, vocab_size, generation.eos_token_ids),
+            timeout=config.structured_output_compile_timeout,
+            max_workers=config.structured_output_compile_threads,
+            cache_size=config.structured_output_cache_size,
+        )
+    else:
+        log.warning("structured_outputs_unavailable", reason="the model has no tokenizer.json")
+    return model_name(model_dir), frozenset(generation.eos_token_ids), max_model_len, vocab_size, grammars
 
 
 class SchedulerServer:
@@ -172,8 +183,8 @@ class SchedulerServer:
 
 
 async def serve(config: SchedulerServiceConfig) -> None:
-    model, eos, max_model_len, vocab_size = await asyncio.to_thread(load_engine_facts, config)
-    engine = Engine(config, model, eos, max_model_len, vocab_size)
+    model, eos, max_model_len, vocab_size, grammars = await asyncio.to_thread(load_engine_facts, config)
+    engine = Engine(config, model, eos, max_model_len, vocab_size, grammars=grammars)
     freeze_startup_objects()
     server = SchedulerServer(config, engine)
     await server.start()

@@ -68,6 +68,11 @@ class SchedulerServiceConfig(ServiceTLSFields):
     max_cache_salts: int = 1024
     # Seconds SIGTERM waits for running requests to finish (new ones are refused meanwhile).
     shutdown_timeout: float = 30.0
+    # Seconds a structured-output constraint may take to compile; past it that request fails (400) and the
+    # compile is abandoned. Compiled constraints kept, least recently used out first; compiles at once.
+    structured_output_compile_timeout: float = 10.0
+    structured_output_cache_size: int = 256
+    structured_output_compile_threads: int = 2
     # Logging level, and JSON (True) or console output.
     log_level: str = "info"
     log_json: bool = True
@@ -78,6 +83,8 @@ class SchedulerServiceConfig(ServiceTLSFields):
         positive = (
             "max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests", "max_queued_tokens",
             "max_cache_salts", "step_timeout", "worker_retire_timeout", "progress_deadline",
+            "structured_output_compile_timeout", "structured_output_cache_size",
+            "structured_output_compile_threads",
         )  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
@@ -163,6 +170,14 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     add("--max-cache-salts", int, "most cache salts with cached blocks, per worker", default=1024)
     add("--shutdown-timeout", float, "seconds SIGTERM waits for running requests", default=30.0)
+    add(
+        "--structured-output-compile-timeout",
+        float,
+        "seconds a structured-output constraint may take to compile before its request fails",
+        default=10.0,
+    )
+    add("--structured-output-cache-size", int, "compiled structured-output constraints kept", default=256)
+    add("--structured-output-compile-threads", int, "constraints compiled at once", default=2)
     add_tls_arguments(add, add_bool)
     add("--log-level", str, "debug, info, warning, error", default="info")
     add_bool("--log-json", "JSON log lines (--no-log-json: console)", True)

@@ -531,3 +531,44 @@ def test_broken_plan_with_valid_frees_keeps_the_freed_slots_live(runner):
         runner.execute(broken)
     assert sorted(runner.slots) == [0, 1]
     runner.execute(decode_plan(2))
+
+
+# ---- structured outputs: token masks in the plan -------------------------------------------------------
+
+
+def _mask(allowed: set[int], vocab: int = TINY_VOCAB) -> bytes:
+    bits = np.zeros(-(-vocab // 32) * 32, dtype=np.uint8)
+    bits[list(allowed)] = 1
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def test_a_masked_slot_samples_only_what_its_mask_allows(runner):
+    first = first_plan()
+    for req in first.new_requests:
+        req.sampling.temperature = 1.0
+    first.mask_slots.append(1)
+    first.token_masks = _mask({7})
+    result = runner.execute(first)
+    assert result.sampled_token_ids[1] == 7
+    for step in (2, 3):  # as far as the blocks of first_plan hold
+        decode = decode_plan(step)
+        decode.mask_slots.extend([0, 1])
+        decode.token_masks = _mask({3, 5}) + _mask({step})
+        tokens = list(runner.execute(decode).sampled_token_ids)
+        assert tokens[0] in (3, 5) and tokens[1] == step
+
+
+def test_a_broken_mask_refuses_the_plan(runner):
+    runner.execute(first_plan())
+    wrong_size = decode_plan(2)
+    wrong_size.mask_slots.append(0)
+    wrong_size.token_masks = _mask({1})[:-4]
+    with pytest.raises(PlanError, match="token_masks holds"):
+        runner.execute(wrong_size)
+    not_sampling = plan(2, [(0, 1, [])])
+    before = snapshot(runner)
+    not_sampling.mask_slots.extend([0, 1])
+    not_sampling.token_masks = _mask({1}) * 2
+    with pytest.raises(PlanError, match="slot 1 has a token mask but does not sample"):
+        runner.execute(not_sampling)
+    assert snapshot(runner) == before

@@ -75,6 +75,8 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.ops = model.ops  # the kernel ops the model runs on
         self.sampler = sampler or Sampler(self.vocab_size, self.device)
+        # 32-bit words of one token mask (StepPlan.token_masks).
+        self._mask_words = (self.vocab_size + 31) // 32
         self._kv_layers = kv_cache.layers
         # Each live slot's token ids and block table.
         self.arrays = SlotArrays(max_model_len, self.block_size, self.device)
@@ -172,7 +174,7 @@ class ModelRunner:
             rows = [batch.query_start_loc[1:][sample_idx] - 1, *(r for _, r in prompt_rows)]
             output_rows = as_tensor(np.concatenate(rows).astype(np.int64, copy=False), self.device)
         logits, t1, t2 = self._forward(inputs, output_rows, before_forward)
-        self._sample(batch, sample_idx, logits[: len(sample_idx)], result)
+        self._sample(batch, sample_idx, logits[: len(sample_idx)], result, self._token_masks(plan))
         self._prompt_logprobs(batch, prompt_rows, logits[len(sample_idx) :], result)
         return t1, t2, batch.num_tokens
 
@@ -201,6 +203,15 @@ class ModelRunner:
             return None
         slots = list(plan.slots)
         n = len(slots)
+        if plan.mask_slots:
+            # Every slot of a plain decode samples, so any of them may carry a mask (as _validate checks).
+            masked = set(plan.mask_slots)
+            if (
+                len(masked) != len(plan.mask_slots)
+                or not masked <= set(slots)
+                or len(plan.token_masks) != len(masked) * self._mask_words * 4
+            ):
+                return None
         appended = plan.num_new_blocks
         if n == 0 or len(set(slots)) != n or len(appended) != n or len(plan.num_scheduled_tokens) != n:
             return None
@@ -239,8 +250,8 @@ class ModelRunner:
         result.step_id = plan.step_id
         for state in states:
             state.num_computed_tokens += 1
-        if self._sampler_slots:
-            self._sample_rows(slots, states, logits, result)
+        if self._sampler_slots or plan.mask_slots:
+            self._sample_rows(slots, states, logits, result, self._token_masks(plan))
             return t1, t2
         # Every live slot is argmax_only: its token is its row's argmax, at start + 1 (its num_tokens).
         tokens = self.arrays.append(slots, [state.num_tokens for state in states], self.ops.argmax(logits))
@@ -353,6 +364,7 @@ class ModelRunner:
             )
         check_block_ids(plan.new_block_ids, "new")
         scheduled: set[int] = set()
+        sampling: set[int] = set()
         for slot, n, appended in zip(plan.slots, plan.num_scheduled_tokens, plan.num_new_blocks, strict=True):
             if not live(slot):
                 fail(f"slot {slot} is not live")
@@ -369,6 +381,8 @@ class ModelRunner:
             end = computed + n
             if end > known:
                 fail(f"slot {slot}: {n} tokens scheduled after {computed} computed, but it has only {known}")
+            if end == known:
+                sampling.add(slot)
             if end > self.max_model_len:
                 fail(f"slot {slot}: position {end - 1} is beyond max_model_len {self.max_model_len}")
             blocks = table_len(slot) + appended
@@ -380,6 +394,16 @@ class ModelRunner:
         for slot, req in new.items():
             if slot not in scheduled and req.num_computed_tokens > 0:
                 fail(f"slot {slot}: {req.num_computed_tokens} computed tokens but no block table")
+
+        # 6. token masks: one per constrained slot that samples this step.
+        if len(set(plan.mask_slots)) != len(plan.mask_slots):
+            fail("a slot has two token masks")
+        for slot in plan.mask_slots:
+            if slot not in sampling:
+                fail(f"slot {slot} has a token mask but does not sample this step")
+        mask_bytes = len(plan.mask_slots) * self._mask_words * 4
+        if len(plan.token_masks) != mask_bytes:
+            fail(f"token_masks holds {len(plan.token_masks)} bytes, {mask_bytes} expected for its mask_slots")
 
     def _refusal(self, req: worker_pb2.NewRequest) -> str | None:
         """What is wrong with a new request's own content (its tokens, lengths and sampling), or None."""
@@ -500,8 +524,20 @@ class ModelRunner:
 
     # ---- sampling and the result ------------------------------------------------------------------
 
+    def _token_masks(self, plan: worker_pb2.StepPlan) -> tuple[list[int], np.ndarray] | None:
+        """The plan's masked slots and their masks, int32 [len(mask_slots), words]; None when none."""
+        if not plan.mask_slots:
+            return None
+        words = np.frombuffer(plan.token_masks, dtype="<i4").reshape(len(plan.mask_slots), self._mask_words)
+        return list(plan.mask_slots), words
+
     def _sample(
-        self, b: _Batch, sample_idx: np.ndarray, logits: torch.Tensor, result: worker_pb2.StepResult
+        self,
+        b: _Batch,
+        sample_idx: np.ndarray,
+        logits: torch.Tensor,
+        result: worker_pb2.StepResult,
+        masks: tuple[list[int], np.ndarray] | None = None,
     ) -> None:
         # Every scheduled slot's tokens advance, whether it samples or not (a prefill chunk).
         for slot, n in zip(b.slots.tolist(), b.num_scheduled.tolist(), strict=True):
@@ -509,13 +545,26 @@ class ModelRunner:
         if len(sample_idx) == 0:
             return
         slots = b.slots[sample_idx].tolist()
-        self._sample_rows(slots, [self.slots[s] for s in slots], logits, result)
+        self._sample_rows(slots, [self.slots[s] for s in slots], logits, result, masks)
 
     def _sample_rows(
-        self, slots: list[int], states: list[SlotState], logits: torch.Tensor, result: worker_pb2.StepResult
+        self,
+        slots: list[int],
+        states: list[SlotState],
+        logits: torch.Tensor,
+        result: worker_pb2.StepResult,
+        masks: tuple[list[int], np.ndarray] | None = None,
     ) -> None:
-        """Sample a token for each of these slots from its row of logits, append it and write the result."""
+        """Sample a token for each of these slots from its row of logits (among the tokens its mask allows,
+        when it has one), append it and write the result."""
         meta = SamplingMetadata.build([s.sampling for s in states], self.vocab_size, self.device)
+        if masks is not None:
+            mask_slots, words = masks
+            rows = None
+            if mask_slots != slots:  # NOTE: every row, in order, is the common case and needs no scatter
+                row_of = {slot: row for row, slot in enumerate(slots)}
+                rows = torch.tensor([row_of[slot] for slot in mask_slots], dtype=torch.int64).to(self.device)
+            meta.token_mask = (rows, torch.from_numpy(words.copy()).to(self.device))
         out = self.sampler(logits, meta)
         token_ids = self.arrays.append(slots, [state.num_tokens for state in states], out.token_ids)
         for state, token in zip(states, token_ids, strict=True):
@@ -609,6 +658,15 @@ def _without_slots(plan: worker_pb2.StepPlan, left_out: Iterable[int]) -> worker
             kept.num_new_blocks.append(appended)
             kept.new_block_ids.extend(plan.new_block_ids[offset : offset + appended])
         offset += appended
+    if plan.mask_slots and len(plan.token_masks) % len(plan.mask_slots) == 0:
+        size = len(plan.token_masks) // len(plan.mask_slots)
+        for row, slot in enumerate(plan.mask_slots):
+            if slot not in left_out:
+                kept.mask_slots.append(slot)
+                kept.token_masks += plan.token_masks[row * size : (row + 1) * size]
+    else:
+        kept.mask_slots.extend(plan.mask_slots)  # broken: _validate refuses it
+        kept.token_masks = plan.token_masks
     return kept
 
 

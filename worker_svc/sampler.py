@@ -1,7 +1,7 @@
-"""Token sampling for a batch of requests: logit bias, penalties, temperature, min-p, top-k, top-p.
+"""Token sampling for a batch of requests: token masks, logit bias, penalties, temperature, min-p, top-k, top-p.
 
 Order of operations (as vLLM v1): raw log-probabilities are taken from the model's logits first;
-then logit bias, then penalties; greedy rows take the argmax there; the other rows are scaled by
+then structured outputs' token masks, logit bias, then penalties; greedy rows take the argmax there; the other rows are scaled by
 their temperature, filtered by min-p, top-k and top-p, and sampled by the exponential race
 (argmax of probs / q with q ~ Exp(1), equivalent to Gumbel-max).
 
@@ -124,6 +124,9 @@ class SamplingMetadata:
     output_positions: list[int]  # their output position k (tokens generated before this one)
     max_num_logprobs: int  # K: top alternatives returned per row (rows asking fewer use a prefix)
     any_logprobs: bool = True  # some row asked for logprobs (0 included); else none are computed
+    # Structured outputs: (rows int64 [R], masks int32 [R, ceil(V / 32)]): row rows[i] may sample token t only
+    # when bit t % 32 of masks[i, t // 32] is set; rows None: every row, in order. None: no row is constrained.
+    token_mask: tuple[torch.Tensor | None, torch.Tensor] | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -140,7 +143,13 @@ class SamplingMetadata:
     @property
     def argmax_only(self) -> bool:
         """Every row's token is the argmax of its logits (see SlotSamplingState.argmax_only)."""
-        return self.all_greedy and self.no_penalties and self.logit_bias is None and not self.any_logprobs
+        return (
+            self.all_greedy
+            and self.no_penalties
+            and self.logit_bias is None
+            and not self.any_logprobs
+            and self.token_mask is None
+        )
 
     @property
     def no_top_k(self) -> bool:
@@ -328,10 +337,12 @@ class Sampler:
         # NOTE: logits come in the model's dtype. An argmax-only batch takes its argmax from them as they are
         # (that of their float32 widening, which is exact), sparing a float32 copy of the logits every step;
         # the rest works in float32.
-        if not meta.argmax_only:
-            logits = logits.float()
-        # NOTE: every step below is out of place: the raw logits serve the logprobs at the end.
-        x = apply_logit_bias(logits, meta)
+        # NOTE: every step below is out of place: the raw logits serve the logprobs at the end. A token mask
+        # makes the float32 copy itself.
+        x = apply_token_mask(logits, meta)
+        if not meta.argmax_only and x.dtype != torch.float32:
+            x = x.float()
+        x = apply_logit_bias(x, meta)
         x = apply_penalties(x, meta)
         if meta.all_greedy:
             token_ids = self.argmax(x)
@@ -365,6 +376,32 @@ class Sampler:
         # NOTE: exponential_ may return 0; 0/0 on a filtered-out token would be NaN and win the argmax.
         q.clamp_(min=torch.finfo(q.dtype).tiny)
         return self.argmax(probs / q)
+
+
+# Byte value -> which of its 8 tokens a mask leaves out (bit j clear: token 8k + j banned).
+_BANNED_BITS = torch.tensor([[not (b >> j) & 1 for j in range(8)] for b in range(256)], dtype=torch.bool)
+_banned_bits_on: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_mask(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Structured outputs: a float32 copy of the logits with -inf on the tokens a constrained row's mask leaves
+    out (before bias and penalties, which cannot bring a token back). Each byte of the masks picks its 8
+    tokens' flags from a table in one gather; torch ops on any device."""
+    if meta.token_mask is None:
+        return logits
+    rows, words = meta.token_mask
+    num_rows, vocab_size = logits.shape
+    table = _banned_bits_on.get(words.device)
+    if table is None:
+        table = _banned_bits_on[words.device] = _BANNED_BITS.to(words.device)
+    # NOTE: little-endian words, so byte k holds tokens 8k .. 8k + 7, lowest bit first.
+    index = words.contiguous().view(torch.uint8).reshape(-1).long()
+    banned = table.index_select(0, index).view(words.shape[0], -1)[:, :vocab_size]
+    if rows is not None:
+        banned = banned.new_zeros((num_rows, vocab_size)).index_copy_(0, rows, banned)
+    # NOTE: a copy, filled in place: the raw logits serve the logprobs.
+    x = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    return x.masked_fill_(banned, float("-inf"))
 
 
 def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

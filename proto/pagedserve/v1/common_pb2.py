@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/common.proto\x12\rpagedserve.v1\"\xa8\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x04\x88\x01\x01\x12\t\n\x01n\x18\x0c \x01(\r\x12\x15\n\x08logprobs\x18\r \x01(\rH\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12@\n\nlogit_bias\x18\x10 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x06\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x07\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04rank\x18\x05 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/common.proto\x12\rpagedserve.v1\"\xe4\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x04\x88\x01\x01\x12\t\n\x01n\x18\x0c \x01(\r\x12\x15\n\x08logprobs\x18\r \x01(\rH\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12@\n\nlogit_bias\x18\x10 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x06\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x07\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12:\n\x11structured_output\x18\x14 \x01(\x0b\x32\x1f.pagedserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"\x99\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.pagedserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04rank\x18\x05 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,14 +33,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=927
-  _globals['_FINISHREASON']._serialized_end=1047
+  _globals['_FINISHREASON']._serialized_start=1174
+  _globals['_FINISHREASON']._serialized_end=1294
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=726
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=548
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=596
-  _globals['_USAGE']._serialized_start=728
-  _globals['_USAGE']._serialized_end=815
-  _globals['_TOKENLOGPROB']._serialized_start=817
-  _globals['_TOKENLOGPROB']._serialized_end=925
+  _globals['_SAMPLINGPARAMS']._serialized_end=786
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=608
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=656
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=789
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=942
+  _globals['_CHOICELIST']._serialized_start=944
+  _globals['_CHOICELIST']._serialized_end=973
+  _globals['_USAGE']._serialized_start=975
+  _globals['_USAGE']._serialized_end=1062
+  _globals['_TOKENLOGPROB']._serialized_start=1064
+  _globals['_TOKENLOGPROB']._serialized_end=1172
 # @@protoc_insertion_point(module_scope)

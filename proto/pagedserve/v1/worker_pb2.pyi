@@ -45,7 +45,7 @@ class NewRequest(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "finished_slots", "preempted_slots", "new_requests", "copy_src_blocks", "copy_dst_blocks", "slots", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "replaced_slots", "replaced_block_indices", "replaced_block_ids")
+    __slots__ = ("step_id", "finished_slots", "preempted_slots", "new_requests", "copy_src_blocks", "copy_dst_blocks", "slots", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "replaced_slots", "replaced_block_indices", "replaced_block_ids", "mask_slots", "token_masks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,8 @@ class StepPlan(_message.Message):
     REPLACED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     REPLACED_BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
     REPLACED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    MASK_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     finished_slots: _containers.RepeatedScalarFieldContainer[int]
     preempted_slots: _containers.RepeatedScalarFieldContainer[int]
@@ -72,7 +74,9 @@ class StepPlan(_message.Message):
     replaced_slots: _containers.RepeatedScalarFieldContainer[int]
     replaced_block_indices: _containers.RepeatedScalarFieldContainer[int]
     replaced_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., finished_slots: _Optional[_Iterable[int]] = ..., preempted_slots: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., replaced_slots: _Optional[_Iterable[int]] = ..., replaced_block_indices: _Optional[_Iterable[int]] = ..., replaced_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    mask_slots: _containers.RepeatedScalarFieldContainer[int]
+    token_masks: bytes
+    def __init__(self, step_id: _Optional[int] = ..., finished_slots: _Optional[_Iterable[int]] = ..., preempted_slots: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., replaced_slots: _Optional[_Iterable[int]] = ..., replaced_block_indices: _Optional[_Iterable[int]] = ..., replaced_block_ids: _Optional[_Iterable[int]] = ..., mask_slots: _Optional[_Iterable[int]] = ..., token_masks: _Optional[bytes] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("slot", "start_position", "logprobs")
