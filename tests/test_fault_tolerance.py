@@ -153,7 +153,9 @@ def test_worker_killed_mid_stream_streams_finish_on_the_other_and_the_launcher_r
                     for line in response.iter_lines():
                         if not line.startswith("data: {"):
                             continue
-                        (choice,) = json.loads(line[6:])["choices"]
+                        event = json.loads(line[6:])
+                        assert "error" not in event, f"stream {i} ended in an error: {event['error']}"
+                        (choice,) = event["choices"]
                         if choice["text"]:
                             text.append(choice["text"])
                             first_token[i].set()
