@@ -3,9 +3,14 @@
 Every RPC needs the API key when one is set (each touches the model: generation, its tokenizer, its
 name). Requests go through the same checks, in the same order, as the HTTP API's (GenerationCore), and
 are bounded in time by --request-timeout or the caller's own deadline, whichever comes first.
+
+Tools work as on HTTP (tool_calls.py): rendered through the chat template, a required or named call forced
+by a grammar, and the calls parsed from each sequence's text once it ends, on its last message.
 """
 
 from __future__ import annotations
+
+import json
 
 import grpc
 import structlog
@@ -25,6 +30,8 @@ from pagedserve.validation import check_count, check_prompt_len, check_text
 
 from .auth import ApiKeys, combined_salt
 from .generation import ChoiceDelta, GenerationCore, Prompt, UsageInfo, new_request_id
+from .tool_calls import MAX_TOOLS, apply_tools
+from .tool_calls import parse as parse_tool_calls
 
 log = get_logger(__name__)
 
@@ -32,8 +39,12 @@ SERVICE_NAME = text_generation_pb2.DESCRIPTOR.services_by_name["TextGenerationSe
 
 
 class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServicer):
-    def __init__(self, core: GenerationCore, api_keys: ApiKeys | None = None):
+    def __init__(
+        self, core: GenerationCore, api_keys: ApiKeys | None = None, tool_call_parser: str = "hermes"
+    ):
         self.core = core
+        # The format the model writes its tool calls in (--tool-call-parser).
+        self.tool_call_parser = tool_call_parser
         self.tokenizer = core.tokenizer
         self.api_keys = api_keys or ApiKeys(())
         # Set by the server on SIGTERM: new generations are refused (UNAVAILABLE) while it drains.
@@ -64,8 +75,11 @@ class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServi
             check_text(request.cache_salt, max_chars=limits.max_cache_salt_chars, param="cache_salt")
             sp = common_pb2.SamplingParams()
             sp.CopyFrom(request.sampling)
+            tool_mode, tools = self._apply_tools(request, sp)
             self.core.check_sampling(sp)
-            prompt = await self._prompt(request, deadline)
+            prompt = await self._prompt(request, deadline, tools)
+            # Each sequence's text so far, where its calls are parsed from when it ends.
+            texts: dict[int, list[str]] | None = {} if tool_mode != "none" else None
             gen = self.core.build(
                 [prompt],
                 sp,
@@ -96,6 +110,10 @@ class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServi
                 if pending is not None:
                     yield pending
                 pending = self._response(request_id, item)
+                if texts is not None:
+                    texts.setdefault(item.index, []).append(item.text)
+                    if item.finish_reason is not None:
+                        self._add_tool_calls(pending, "".join(texts.pop(item.index)))
                 if first:
                     pending.prompt_token_ids.extend(prompt.token_ids)
                     first = False
@@ -104,20 +122,70 @@ class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServi
         except PagedServeError as error:
             await abort_with(context, error)
 
-    async def _prompt(self, request: text_generation_pb2.GenerateRequest, deadline: float | None) -> Prompt:
+    async def _prompt(
+        self, request: text_generation_pb2.GenerateRequest, deadline: float | None, tools: list[dict] | None
+    ) -> Prompt:
         given = [bool(request.prompt), bool(request.messages), bool(request.prompt_token_ids)]
         if sum(given) != 1:
             raise InvalidRequestError("set exactly one of prompt, messages and prompt_token_ids", "prompt")
         if request.prompt:
             return Prompt(await self.core.encode(request.prompt, deadline), request.prompt)
         if request.messages:
-            return await self.core.encode_chat(self._messages(request.messages), deadline)
+            return await self.core.encode_chat(self._messages(request.messages), deadline, tools=tools)
         check_prompt_len(len(request.prompt_token_ids), self.core.model.max_model_len, "prompt_token_ids")
         return Prompt(list(request.prompt_token_ids))
 
-    def _messages(self, messages) -> list[dict[str, str]]:
+    def _messages(self, messages) -> list[dict]:
+        """The chat template's messages: text content, and an assistant's calls with their arguments as
+        objects (as the HTTP API gives them)."""
         check_count(len(messages), self.core.limits.max_messages, "messages", "messages")
-        return [{"role": m.role, "content": m.content} for m in messages]
+        out = []
+        for m in messages:
+            message: dict = {"role": m.role, "content": m.content}
+            if m.tool_call_id:
+                message["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                calls = [
+                    (c, _json_object(c.arguments_json, "messages", f"the arguments of {c.name!r}"))
+                    for c in m.tool_calls
+                ]
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": args}}
+                    for c, args in calls
+                ]
+            out.append(message)
+        return out
+
+    def _apply_tools(
+        self, request: text_generation_pb2.GenerateRequest, sp: common_pb2.SamplingParams
+    ) -> tuple[str, list[dict] | None]:
+        """(mode, tools for the chat template) of the request's tools and tool_choice, as the HTTP API's."""
+        if not request.tools and not request.tool_choice:
+            return "none", None
+        if not request.messages:
+            raise InvalidRequestError("tools need messages (a chat request)", "tools")
+        check_count(len(request.tools), MAX_TOOLS, "tools", "tools")
+        tools = []
+        for tool in request.tools:
+            function: dict = {"name": tool.name, "description": tool.description}
+            if tool.parameters_json:
+                function["parameters"] = _json_object(
+                    tool.parameters_json, "tools", f"the parameters of {tool.name!r}"
+                )
+            tools.append({"type": "function", "function": function})
+        choice = request.tool_choice or None
+        if choice not in (None, "none", "auto", "required"):
+            choice = {"type": "function", "function": {"name": choice}}
+        return apply_tools(sp, self.tool_call_parser, tools, choice, request.parallel_tool_calls)
+
+    def _add_tool_calls(self, last: text_generation_pb2.GenerateResponse, text: str) -> None:
+        """The calls a sequence's whole text holds, on its last message, which then ends with TOOL_CALLS."""
+        _, calls = parse_tool_calls(self.tool_call_parser, text)
+        if calls:
+            last.tool_calls.extend(
+                text_generation_pb2.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments) for c in calls
+            )
+            last.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
 
     @staticmethod
     def _response(request_id: str, item: ChoiceDelta) -> text_generation_pb2.GenerateResponse:
@@ -178,3 +246,13 @@ class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServi
             id=model.name, max_model_len=model.max_model_len, owned_by="pagedserve", created=model.created
         )
         return text_generation_pb2.ListModelsResponse(models=[card])
+
+
+def _json_object(text: str, param: str, what: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{param}: {what} must be a JSON object", param)
+    return value

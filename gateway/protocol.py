@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.gateway.tool_calls import MAX_TOOLS, check_tools, forcing_grammar
+from pagedserve.gateway.tool_calls import MAX_TOOLS, apply_tools
 from pagedserve.structured_outputs import MAX_CHOICES, Constraint
 from pagedserve.v1 import common_pb2
 from pagedserve.validation import (
@@ -325,21 +325,8 @@ class ChatCompletionRequest(_SamplingFields):
         return [m.template_message() for m in self.messages]
 
     def apply_tools(self, sp: common_pb2.SamplingParams, parser: str) -> tuple[str, list[dict] | None]:
-        """(mode, tools for the chat template) of the request's tools and tool_choice (tool_calls.check_tools);
-        a forced call ("required", or a named function) becomes sp's constraint, a grammar of the parser's
-        format, so it cannot come with another one."""
-        mode, functions = check_tools(self.tools or [], self.tool_choice)
-        if mode == "forced":
-            if sp.HasField("structured_output"):
-                raise InvalidRequestError(
-                    "a required or named tool_choice cannot come with another structured output constraint",
-                    "tool_choice",
-                )
-            grammar = forcing_grammar(
-                parser, functions, self.parallel_tool_calls and self.tool_choice == "required"
-            )
-            sp.structured_output.grammar = grammar
-        return mode, (self.tools if mode != "none" else None)
+        """(mode, tools for the chat template) of the request's tools and tool_choice (tool_calls.apply_tools)."""
+        return apply_tools(sp, parser, self.tools or [], self.tool_choice, self.parallel_tool_calls)
 
     def sampling_params(self) -> common_pb2.SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -100,7 +100,9 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer, model: ModelInfo) -
     app = create_app(config, tokenizer, model, engine)
     freeze_startup_objects()
     grpc_server = None
-    servicer = TextGenerationServicer(app.state.gateway.core, ApiKeys(config.all_api_keys()))
+    servicer = TextGenerationServicer(
+        app.state.gateway.core, ApiKeys(config.all_api_keys()), tool_call_parser=config.tool_call_parser
+    )
     if config.grpc_port:
         grpc_server = public_server(config.max_body_bytes)
         text_generation_pb2_grpc.add_TextGenerationServiceServicer_to_server(servicer, grpc_server)

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 
 from pagedserve.errors import InvalidRequestError
+from pagedserve.v1 import common_pb2
 
 PARSERS = ("hermes", "llama3_json")
 # Tools in one request (each is rendered into the prompt, and a forced call's grammar holds them all).
@@ -224,3 +225,22 @@ def check_tools(tools: list[dict], tool_choice: object) -> tuple[str, list[dict]
         'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
         "tool_choice",
     )
+
+
+def apply_tools(
+    sp: common_pb2.SamplingParams, parser: str, tools: list[dict], tool_choice: object, parallel: bool
+) -> tuple[str, list[dict] | None]:
+    """(mode, tools for the chat template) of a request's tools and tool_choice (check_tools), for either API;
+    a forced call ("required", or a named function) becomes sp's constraint, a grammar of the parser's format,
+    so it cannot come with another one."""
+    mode, functions = check_tools(tools, tool_choice)
+    if mode == "forced":
+        if sp.HasField("structured_output"):
+            raise InvalidRequestError(
+                "a required or named tool_choice cannot come with another structured output constraint",
+                "tool_choice",
+            )
+        sp.structured_output.grammar = forcing_grammar(
+            parser, functions, parallel and tool_choice == "required"
+        )
+    return mode, (tools if mode != "none" else None)

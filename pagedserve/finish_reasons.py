@@ -12,6 +12,8 @@ NAMES: dict[int, str] = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
+    # The gateway's, for a sequence that called tools; the engine never ends one so.
+    common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 # Name -> FinishReason code.
 CODES: dict[str, int] = {name: code for code, name in NAMES.items()}

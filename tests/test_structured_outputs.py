@@ -731,3 +731,61 @@ def test_bad_tools_get_a_400_naming_the_parameter(served, fields, param):
     response = httpx.post(f"{served.openai_base_url}/chat/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def _grpc_tool(tool: dict) -> text_generation_pb2.Tool:
+    function = tool["function"]
+    return text_generation_pb2.Tool(
+        name=function["name"],
+        description=function["description"],
+        parameters_json=json.dumps(function["parameters"]),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("tool_choice", "names"), [("required", {"get_weather", "get_time"}), ("get_time", {"get_time"})]
+)
+def test_tool_calls_over_grpc(served, tool_choice, names):
+    # The same tools and choices as over HTTP: the calls come parsed on each sequence's last message, valid
+    # against their function's schema, and the history may carry an assistant's calls and a tool's answer.
+    tools = [_grpc_tool(WEATHER_TOOL), _grpc_tool(TIME_TOOL)]
+    request = text_generation_pb2.GenerateRequest(
+        messages=[text_generation_pb2.ChatMessage(role="user", content=WEATHER_QUESTION[0]["content"])],
+        sampling=common_pb2.SamplingParams(max_tokens=80, temperature=1.0, seed=7),
+        tools=tools,
+        tool_choice=tool_choice,
+    )
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        stub = text_generation_pb2_grpc.TextGenerationServiceStub(channel)
+        messages = list(stub.Generate(request, timeout=120))
+        last = messages[-1]
+        assert last.finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
+        assert len(last.tool_calls) == 1 and last.tool_calls[0].id.startswith("call_")
+        (call,) = last.tool_calls
+        assert call.name in names
+        jsonschema.validate(json.loads(call.arguments_json), TOOL_SCHEMAS[call.name])
+        follow_up = text_generation_pb2.GenerateRequest(
+            messages=[
+                *request.messages,
+                text_generation_pb2.ChatMessage(role="assistant", tool_calls=[call]),
+                text_generation_pb2.ChatMessage(role="tool", tool_call_id=call.id, content='{"answer": 1}'),
+            ],
+            sampling=common_pb2.SamplingParams(max_tokens=16, temperature=0.0),
+            tools=tools,
+            tool_choice="none",
+        )
+        answer = list(stub.Generate(follow_up, timeout=120))
+        assert answer[-1].finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+        assert not answer[-1].tool_calls
+        for bad, param in [
+            (text_generation_pb2.Tool(name="f", parameters_json="[1]"), "tools"),
+            (text_generation_pb2.Tool(name=""), "tools"),
+        ]:
+            broken = text_generation_pb2.GenerateRequest(
+                messages=request.messages, tools=[bad], tool_choice="required"
+            )
+            with pytest.raises(grpc.RpcError) as error:
+                list(stub.Generate(broken, timeout=30))
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and param in error.value.details()
+    assert served.wait_idle().num_blocks_in_use == 0
