@@ -42,6 +42,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from bench_worker import measure_copy_bandwidth, weight_bytes  # noqa: E402
 from compare_transformers import Work, run_hf_static, run_pagedserve, tokens_per_s  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -50,7 +51,6 @@ SHAPES = {
     "llama3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "heads": (32, 8)},
     "tiny": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "heads": (4, 2)},
 }
-GOAL_ATTENTION = {"batch": 64, "context": 4096, "num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 
 
 def log(message: str) -> None:
@@ -145,19 +145,13 @@ def mixed_workload(n: int, vocab: int, seed: int = 0) -> list[Work]:
 
 
 def copy_bandwidth(device: torch.device) -> float:
-    """Bytes read plus written per second by a large device copy, the best of several."""
-    n = (2 << 30) if device.type == "cuda" else (256 << 20)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(6):
-        sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    del src, dst
-    return 2 * n / best
+    """Bytes read plus written per second by a large copy on the device (bench_kernels' on a GPU,
+    bench_worker's on the CPU): the rate the goals' floors are set by."""
+    if device.type == "cuda":
+        from bench_kernels import copy_bandwidth as device_copy_bandwidth
+
+        return device_copy_bandwidth() * 1e9
+    return measure_copy_bandwidth()
 
 
 def sync(device: torch.device) -> None:
@@ -183,11 +177,10 @@ def offline(model_dir: Path, device: str, work: list[Work], max_num_seqs: int) -
     (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=length, ignore_eos=True))
     metrics = out.metrics
     decode_s = metrics.finished_time - metrics.first_token_time
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
     single = {
         "single_stream_ms_per_token": 1e3 * decode_s / (length - 1),
         "single_stream_seconds": time.perf_counter() - start,
-        "weight_bytes": weight_bytes,
+        "weight_bytes": weight_bytes(llm.model),
     }
     del llm
     return {"offline_tok_s": tokens_per_s(result), "offline_seconds": result.elapsed_s, **single}
@@ -227,34 +220,16 @@ class _OnDevice:
 
 
 def decode_attention_fraction(device: torch.device, copy_bytes_per_s: float) -> float | None:
-    """The paged decode attention's K and V bytes per second at the goal shape over the copy bandwidth."""
+    """The paged decode attention's bytes per second at the goal shape (bench_kernels' TARGET: batch 64, 4096
+    positions, 32 query / 8 kv heads of 128, bf16, blocks of 16) over the copy bandwidth, as bench_kernels
+    measures it (L2 flushed before each call)."""
     if device.type != "cuda":
         return None
-    from pagedserve.kernels import get_ops
+    from bench_kernels import TARGET, Timer, bench_one
 
-    ops = get_ops(device)
-    g = GOAL_ATTENTION
-    block = 16
-    blocks_per_seq = g["context"] // block
-    num_blocks = g["batch"] * blocks_per_seq
-    shape = (num_blocks, block, g["num_kv_heads"], g["head_dim"])
-    k = torch.randn(shape, device=device, dtype=torch.bfloat16)
-    v = torch.randn(shape, device=device, dtype=torch.bfloat16)
-    tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(g["batch"], blocks_per_seq)
-    lens = torch.full((g["batch"],), g["context"], dtype=torch.int32, device=device)
-    q = torch.randn(g["batch"], g["num_q_heads"], g["head_dim"], device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        ops.paged_decode_attention(q, k, v, tables, lens, g["head_dim"] ** -0.5)
-    sync(device)
-    runs = 20
-    start = time.perf_counter()
-    for _ in range(runs):
-        ops.paged_decode_attention(q, k, v, tables, lens, g["head_dim"] ** -0.5)
-    sync(device)
-    seconds = (time.perf_counter() - start) / runs
-    kv_bytes = 2 * k.numel() * k.element_size()
-    # The copy's rate counts bytes read and written; the attention reads K and V.
-    return (kv_bytes / seconds) / (copy_bytes_per_s / 2)
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    row = bench_one(Timer(l2), copy_bytes_per_s / 1e9, l2, *TARGET, None)
+    return row["pct"] / 100
 
 
 def free_port() -> int:
@@ -474,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         if "offline" not in skip:
             log("offline LLM on the mixed workload, then a single stream")
             report |= offline(model_dir, args.device, work, args.max_num_seqs)
-            report["single_stream_floor_ms"] = 1e3 * report["weight_bytes"] / (copy / 2)
+            # The floor: the weights streamed once a token at the copy's rate (bench_worker's memory ceiling).
+            report["single_stream_floor_ms"] = 1e3 * report["weight_bytes"] / copy
             report["single_stream_vs_floor"] = (
                 report["single_stream_ms_per_token"] / report["single_stream_floor_ms"]
             )

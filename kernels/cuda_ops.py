@@ -281,14 +281,8 @@ def unsupported_reason(head_size: int, block_size: int, dtype: torch.dtype) -> s
 
 def _tag(dtype: torch.dtype) -> str:
     if dtype not in DTYPE_TAGS:
-        raise NotImplementedError(unsupported_reason(HEAD_SIZES[0], BLOCK_SIZES[0], dtype))
+        raise NotImplementedError(f"CUDA kernels support {[str(d) for d in DTYPE_TAGS]}, not {dtype}")
     return DTYPE_TAGS[dtype]
-
-
-def _check_shape(head_size: int, block_size: int) -> None:
-    reason = unsupported_reason(head_size, block_size, torch.float32)
-    if reason is not None:
-        raise NotImplementedError(reason)
 
 
 def _check_cache(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[str, int, int]:
@@ -298,9 +292,10 @@ def _check_cache(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     head_size = query.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    tag = _tag(k_cache.dtype)
-    _check_shape(head_size, block_size)
-    return tag, block_size, num_kv_heads
+    reason = unsupported_reason(head_size, block_size, k_cache.dtype)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    return DTYPE_TAGS[k_cache.dtype], block_size, num_kv_heads
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
