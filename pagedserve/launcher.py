@@ -391,10 +391,10 @@ def gpu_placement(
     """Each worker's --device and --gpu-memory-utilization. `cuda` (and `auto` with several workers, where
     CUDA devices are visible) places the workers round robin over the visible GPUs, and workers that share
     a GPU split its utilization evenly, so that each sizes its KV pool from its own share rather than from
-    whatever the others left free. A named device (cuda:1, cpu) is every worker's; None: the flag's
-    default."""
+    whatever the others left free. A named device (cuda:1, cpu) is every worker's, a named GPU's share split
+    among them the same way; None: the flag's default."""
     if device not in ("cuda", "auto") or (device == "auto" and workers == 1):
-        return [(device, utilization if device.startswith("cuda") else None)] * workers
+        return [(device, utilization / workers if device.startswith("cuda") else None)] * workers
     count = device_count()
     if count == 0:
         return [(device, None)] * workers

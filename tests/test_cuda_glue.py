@@ -290,7 +290,8 @@ def test_serve_spreads_cuda_workers_over_the_gpus_and_splits_a_shared_ones_memor
     ]
     assert workers(1, "--workers", "2") == [("cuda:0", "0.45"), ("cuda:0", "0.45")]  # auto, a GPU seen
     assert workers(0, "--workers", "2") == [("auto", None), ("auto", None)]  # auto, none: the CPU
-    assert workers(4, "--workers", "2", "--device", "cuda:3") == [("cuda:3", "0.9"), ("cuda:3", "0.9")]
+    assert workers(4, "--workers", "2", "--device", "cuda:3") == [("cuda:3", "0.45"), ("cuda:3", "0.45")]
+    assert workers(4, "--device", "cuda:3") == [("cuda:3", "0.9")]
     assert workers(4, "--device", "cpu") == [("cpu", None)]
 
 
