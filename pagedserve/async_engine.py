@@ -66,7 +66,7 @@ class AsyncEngineArgs:
     seed: int = 0
     # torch intra-op threads for the CPU model; None: torch's default.
     threads: int | None = None
-    # Only 1: tensor parallelism is not in this build.
+    # Processes (ranks) the model is sharded over: one GPU each on CUDA (NCCL), CPU processes (gloo) on the CPU.
     tensor_parallel_size: int = 1
     # Accepted for vLLM compatibility: requests are not logged one by one here either way.
     disable_log_requests: bool = False
@@ -93,14 +93,12 @@ class AsyncEngineArgs:
             threads=self.threads,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not available "
-                "in this build; run one worker per GPU instead (see deploy/)"
-            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, not {self.tensor_parallel_size}")
         if self.tokenizer is not None and self.tokenizer != self.model:
             raise ValueError("a separate tokenizer is not supported: the model's own is used")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -247,6 +245,7 @@ class AsyncLLMEngine:
         """Stop the engine thread; live iterators end with EngineDeadError."""
         self._commands.put(None)
         self._thread.join()
+        self.core.close()
 
     # ------------------------------------------------------------------ the engine thread
 

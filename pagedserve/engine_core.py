@@ -111,6 +111,8 @@ class EngineConfig:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     # On CUDA: run every step eagerly, without CUDA graphs.
     enforce_eager: bool = False
+    # Processes (ranks) the model is sharded over (worker_svc/parallel.py); this one is rank 0.
+    tensor_parallel_size: int = 1
 
 
 class EngineCore:
@@ -135,7 +137,10 @@ class EngineCore:
             gpu_memory_utilization=config.gpu_memory_utilization,
             enforce_eager=config.enforce_eager,
             max_cudagraph_capture_size=config.max_num_seqs,
+            tensor_parallel_size=config.tensor_parallel_size,
+            threads=config.threads,
         )
+        self.worker = worker
         self.model_dir = worker.model_dir
         self.model_name = worker.info.model
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
@@ -161,6 +166,11 @@ class EngineCore:
         self._grammars: GrammarCompiler | None = None
         self.stats = StepStats()
         freeze_startup_objects()
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel group (they also go when this process exits); call it
+        from the thread that steps the core, once it no longer does."""
+        self.worker.close()
 
     # ------------------------------------------------------------------ requests in and out
 

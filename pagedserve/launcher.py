@@ -81,6 +81,8 @@ class LaunchConfig:
     grpc_port: int
     # Worker processes to start.
     workers: int
+    # Ranks each worker shards the model over (processes of its own, one GPU each on CUDA).
+    tensor_parallel_size: int
     # Passed through to the workers.
     dtype: str
     device: str
@@ -132,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port (OpenAI API)")
     parser.add_argument("--grpc-port", type=int, default=50051, help="gateway public gRPC port")
     parser.add_argument("--workers", type=int, default=1, help="worker processes")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks each worker shards the model over (one GPU each on CUDA; CPU processes with gloo)",
+    )
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.add_argument("--device", default="auto", help="worker torch device")
     parser.add_argument("--kv-cache-memory", default=None, help="KV pool budget per worker, e.g. 2GiB")
@@ -429,9 +437,12 @@ def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, sched
         if value is not None:
             scheduler += [flag, str(value)]
     workers = []
+    tp = config.tensor_parallel_size
+    # A worker's ranks take the GPUs after its own (cuda:k..k+tp-1): placed as tp workers each, it gets the
+    # first of its ranks' places.
     placement = gpu_placement(
-        config.device, config.workers, config.gpu_memory_utilization, _cuda_device_count
-    )
+        config.device, config.workers * tp, config.gpu_memory_utilization, _cuda_device_count
+    )[::tp]
     for i, (device, utilization) in enumerate(placement):
         worker = ["worker", "--model", model_dir, "--host", LOOPBACK, "--port", "0"]
         worker += ["--scheduler", engine_address, "--worker-id", f"worker-{i}", "--dtype", config.dtype]
@@ -441,8 +452,9 @@ def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, sched
             ("--gpu-memory-utilization", utilization),
             ("--kv-cache-memory", config.kv_cache_memory),
             ("--num-blocks", config.num_blocks),
-            ("--threads", worker_threads(config.threads, config.workers)),
+            ("--threads", worker_threads(config.threads, config.workers * tp)),
             ("--max-model-len", config.max_model_len),
+            ("--tensor-parallel-size", tp if tp != 1 else None),
         ]:
             if value is not None:
                 worker += [flag, str(value)]
@@ -565,8 +577,8 @@ def serve(config: LaunchConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging("launcher", args.log_level)
-    if args.workers < 1:
-        print("pagedserve serve: --workers must be at least 1", file=sys.stderr)
+    if args.workers < 1 or args.tensor_parallel_size < 1:
+        print("pagedserve serve: --workers and --tensor-parallel-size must be at least 1", file=sys.stderr)
         return 2
     if args.max_restarts_per_minute < 0 or args.restart_backoff < 0:
         print(

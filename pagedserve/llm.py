@@ -31,7 +31,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any):
         """engine_args: EngineConfig's fields (dtype, block_size, max_num_seqs, max_model_len,
         max_num_batched_tokens, enable_prefix_caching, kv_cache_memory, num_blocks, seed, device, threads,
-        gpu_memory_utilization, enforce_eager)."""
+        gpu_memory_utilization, enforce_eager, tensor_parallel_size)."""
         self.core = core = EngineCore(EngineConfig(model, **engine_args))
         self.model_dir, self.model_name, self.tokenizer = core.model_dir, core.model_name, core.tokenizer
         self.model, self.kv_cache, self.runner = core.model, core.kv_cache, core.runner
@@ -71,6 +71,10 @@ class LLM:
             # The rendered template already holds the special tokens (BOS and role markers).
             inputs.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._run(inputs, sampling_params, use_tqdm)
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (they also stop when this process exits)."""
+        self.core.close()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, as vLLM's LLM.reset_prefix_cache: the next generate computes

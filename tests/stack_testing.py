@@ -16,6 +16,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -329,6 +330,31 @@ def assert_openai_error(response: httpx.Response, status: int | None = None) -> 
     assert isinstance(error["type"], str) and error["type"], body
     assert "param" in error and "code" in error, body
     return error
+
+
+def stream_marking_progress(
+    client: httpx.Client, body: dict, first_token: threading.Event, finished: threading.Event
+) -> tuple[str, str | None]:
+    """POST a streaming /v1/completions with one choice; returns (text, finish reason), setting first_token
+    at its first text (or its end) and finished at its end. An error event fails it with the error."""
+    text, finish = [], None
+    try:
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                assert "error" not in event, f"the stream ended in an error: {event['error']}"
+                (choice,) = event["choices"]
+                if choice["text"]:
+                    text.append(choice["text"])
+                    first_token.set()
+                finish = choice["finish_reason"] or finish
+    finally:
+        first_token.set()
+        finished.set()
+    return "".join(text), finish
 
 
 def stream_completion(

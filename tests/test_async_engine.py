@@ -67,9 +67,9 @@ def test_async_llm_is_the_same_engine():
     assert AsyncLLM is AsyncLLMEngine
 
 
-def test_tensor_parallelism_above_one_is_refused_clearly():
-    with pytest.raises(ValueError, match="tensor parallelism is not available"):
-        AsyncEngineArgs(tensor_parallel_size=2)
+def test_tensor_parallel_size_below_one_is_refused():
+    with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
+        AsyncEngineArgs(tensor_parallel_size=0)
 
 
 def test_unknown_engine_args_are_a_type_error():

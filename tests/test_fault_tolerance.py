@@ -18,7 +18,14 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from stack_testing import Stack, assert_openai_error, running, stream_completion, wait_for
+from stack_testing import (
+    Stack,
+    assert_openai_error,
+    running,
+    stream_completion,
+    stream_marking_progress,
+    wait_for,
+)
 
 from pagedserve.grpc_utils import CLUSTER_TOKEN_ENV
 from pagedserve.v1 import (
@@ -145,28 +152,11 @@ def test_worker_killed_mid_stream_streams_finish_on_the_other_and_the_launcher_r
         first_token = [threading.Event() for _ in bodies]
         finished = [threading.Event() for _ in bodies]
 
-        def stream(i: int) -> tuple[str, str | None]:
-            text, finish = [], None
-            try:
-                with client.stream("POST", "/v1/completions", json={**bodies[i], "stream": True}) as response:
-                    assert response.status_code == 200, response.read()
-                    for line in response.iter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        event = json.loads(line[6:])
-                        assert "error" not in event, f"stream {i} ended in an error: {event['error']}"
-                        (choice,) = event["choices"]
-                        if choice["text"]:
-                            text.append(choice["text"])
-                            first_token[i].set()
-                        finish = choice["finish_reason"] or finish
-            finally:
-                first_token[i].set()
-                finished[i].set()
-            return "".join(text), finish
-
         with ThreadPoolExecutor(len(bodies)) as pool:
-            futures = [pool.submit(stream, i) for i in range(len(bodies))]
+            futures = [
+                pool.submit(stream_marking_progress, client, body, first_token[i], finished[i])
+                for i, body in enumerate(bodies)
+            ]
             for event in first_token:
                 assert event.wait(180), "a stream received no token"
             in_flight = sum(not event.is_set() for event in finished)

@@ -35,6 +35,13 @@ def save_tiny_llama(path: Path, seed: int = 0, head_dim: int = 16) -> Path:
         eos_token_id=EOS,
         tie_word_embeddings=False,
     )
+    random_llama(config, seed).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def random_llama(config: LlamaConfig, seed: int):
+    """A float32 Llama of this config with random weights: norms near 1, the rest large enough that
+    greedy text is not one token repeated."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -42,8 +49,7 @@ def save_tiny_llama(path: Path, seed: int = 0, head_dim: int = 16) -> Path:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return model
 
 
 def make_runner(

@@ -6,6 +6,7 @@ allocated, the runner over both, and the ModelInfo that describes them to the sc
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,18 @@ from pagedserve.worker_svc.config import (
 from pagedserve.worker_svc.cuda_graphs import CudaGraphCapture, capture_sizes
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
 from pagedserve.worker_svc.loader import load_model, parse_dtype, read_model_config
-from pagedserve.worker_svc.model import CausalLM
+from pagedserve.worker_svc.model import CausalLM, ModelConfig
+from pagedserve.worker_svc.parallel import (
+    LeaderModel,
+    ParallelGroup,
+    RankProcesses,
+    check_tensor_parallel,
+    default_threads,
+    exit_on_rank_death,
+    shard_config,
+    start_group,
+    stop_group,
+)
 from pagedserve.worker_svc.runner import ModelRunner
 from pagedserve.worker_svc.sampler import Sampler
 
@@ -41,10 +53,19 @@ class LoadedWorker:
     generation: GenerationInfo  # the model's EOS ids and its own context length
     runner: ModelRunner  # the executor over the loaded model and its KV pool
     info: worker_pb2.ModelInfo  # what GetModelInfo and Reset answer, and registration tells the scheduler
+    # With --tensor-parallel-size > 1: this process's place in the group (rank 0) and the other ranks.
+    group: ParallelGroup | None = None
+    ranks: RankProcesses | None = None
 
     @property
     def model(self) -> CausalLM:
         return self.runner.model
+
+    def close(self) -> None:
+        """On the thread that runs the steps: stop the other ranks, if any."""
+        if self.group is not None and self.ranks is not None:
+            stop_group(self.group, self.ranks)
+            self.group = self.ranks = None
 
     @property
     def kv_cache(self) -> KVCache:
@@ -61,6 +82,53 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+@dataclass(slots=True)
+class Shard:
+    """One rank's model and KV pool (the whole model's, without tensor parallelism)."""
+
+    model_dir: Path  # the resolved model folder
+    config: ModelConfig  # the full model's shape
+    model: CausalLM  # this rank's layers (a shard of them in a tensor-parallel group)
+    kv_cache: KVCache  # this rank's share of the pool: every block, its own kv heads
+    spec: KVCacheSpec  # the pool's shape on this rank
+    dtype: torch.dtype
+    device: torch.device
+
+
+def load_shard(
+    model: str | None,
+    *,
+    dtype: str,
+    device: str,
+    block_size: int,
+    num_blocks: int | None,
+    kv_cache_memory: int | None,
+    gpu_memory_utilization: float,
+    group: ParallelGroup | None = None,
+) -> Shard:
+    """Load the model (a tensor-parallel rank: its shard) and allocate its KV pool: num_blocks, else from
+    kv_cache_memory bytes (a group's budget, split evenly among its ranks), else the device's default budget
+    (each rank's), the same block count on every rank of a group (the smallest)."""
+    model_dir = resolve_model(model)
+    torch_device = resolve_device(device) if group is None else group.device
+    torch_dtype = parse_dtype(dtype, torch_device)
+    mc = read_model_config(model_dir)
+    check_kernel_shapes(get_ops(torch_device), mc.head_dim, block_size, torch_dtype)
+    local = mc if group is None else shard_config(mc, group.size)
+    loaded = load_model(model_dir, torch_dtype, torch_device, group=group)
+    spec = KVCacheSpec(mc.num_layers, local.num_kv_heads, mc.head_dim, block_size, torch_dtype)
+    activations = local.activation_bytes(STEP_TOKENS, torch.empty(0, dtype=torch_dtype).element_size())
+    if group is not None and kv_cache_memory is not None:
+        kv_cache_memory //= group.size
+    num_blocks = resolve_num_blocks(
+        spec, torch_device, num_blocks, kv_cache_memory, gpu_memory_utilization, activations
+    )
+    if group is not None:
+        num_blocks = group.min(num_blocks)
+    kv_cache = KVCache(spec, num_blocks, torch_device)
+    return Shard(model_dir, mc, loaded, kv_cache, spec, torch_dtype, torch_device)
+
+
 def assemble(
     model: str | None = None,
     *,
@@ -75,6 +143,10 @@ def assemble(
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     enforce_eager: bool = False,
     max_cudagraph_capture_size: int = DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE,
+    tensor_parallel_size: int = 1,
+    threads: int | None = None,
+    on_rank_death: Callable[[int, int], None] | None = None,
+    log_level: str = "info",
 ) -> LoadedWorker:
     """Load the model (a folder, a .gguf file, None for the default), size and allocate the KV pool (num_blocks,
     else from kv_cache_memory bytes, else the device's default budget), build the runner (its sampler's
@@ -83,26 +155,48 @@ def assemble(
     alone (the offline engine; a server's scheduler refuses such requests itself). On CUDA without either
     size, the pool takes what gpu_memory_utilization of the device leaves after the weights and a step's
     activations. On CUDA kernels, plain decode steps of up to max_cudagraph_capture_size sequences are
-    captured as CUDA graphs unless enforce_eager."""
-    model_dir = resolve_model(model)
-    torch_device = resolve_device(device)
-    torch_dtype = parse_dtype(dtype, torch_device)
-    mc = read_model_config(model_dir)
-    check_kernel_shapes(get_ops(torch_device), mc.head_dim, block_size, torch_dtype)
-    loaded = load_model(model_dir, torch_dtype, torch_device)
+    captured as CUDA graphs unless enforce_eager.
+
+    tensor_parallel_size > 1: this process becomes rank 0 of a group (see parallel.py); it starts the other
+    ranks, each with `threads` torch threads (default: the cores shared out), and calls on_rank_death(rank,
+    exit code) when one of them dies."""
+    shard_args = {
+        "dtype": dtype,
+        "device": device,
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+        "kv_cache_memory": kv_cache_memory,
+        "gpu_memory_utilization": gpu_memory_utilization,
+    }
+    group = ranks = None
+    if tensor_parallel_size != 1:
+        model_dir = resolve_model(model)
+        check_tensor_parallel(read_model_config(model_dir), tensor_parallel_size)
+        threads = threads or default_threads(tensor_parallel_size)
+        torch.set_num_threads(threads)
+        base = resolve_device(device)
+        follower_args = {**shard_args, "model": str(model_dir), "device": str(base), "threads": threads}
+        group, ranks = start_group(
+            tensor_parallel_size, base, {**follower_args, "log_level": log_level}, on_rank_death
+        )
+        model = str(model_dir)
+    try:
+        shard = load_shard(model, group=group, **shard_args)
+    except BaseException:
+        if ranks is not None:
+            ranks.kill()
+        raise
+    mc, model_dir, kv_cache, torch_device = shard.config, shard.model_dir, shard.kv_cache, shard.device
     generation = load_generation_info(model_dir)
-    spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, block_size, torch_dtype)
-    activations = mc.activation_bytes(STEP_TOKENS, torch.empty(0, dtype=torch_dtype).element_size())
-    num_blocks = resolve_num_blocks(
-        spec, torch_device, num_blocks, kv_cache_memory, gpu_memory_utilization, activations
-    )
+    num_blocks = kv_cache.num_blocks
     max_model_len = min(max_model_len or generation.max_model_len, mc.max_position)
     if context_within_pool:
         max_model_len = min(max_model_len, num_blocks * block_size)
-    kv_cache = KVCache(spec, num_blocks, torch_device)
     sampler = Sampler(mc.vocab_size, torch_device, seed=seed)
-    runner = ModelRunner(loaded, kv_cache, max_model_len, sampler)
-    if runner.ops.name == "cuda" and not enforce_eager:
+    runner_model = shard.model if group is None else LeaderModel(shard.model, group, mc)
+    runner = ModelRunner(runner_model, kv_cache, max_model_len, sampler)
+    # NOTE: a graph would capture the collectives too (NCCL allows it); tensor-parallel steps run eagerly.
+    if runner.ops.name == "cuda" and not enforce_eager and group is None:
         started = time.perf_counter()
         sizes = capture_sizes(max_cudagraph_capture_size)
         runner.capture_decode_graphs(sizes, CudaGraphCapture(torch_device))
@@ -111,17 +205,18 @@ def assemble(
         model=model_name(model_dir),
         num_blocks=num_blocks,
         block_size=block_size,
-        dtype=DTYPE_NAMES[torch_dtype],
+        dtype=DTYPE_NAMES[shard.dtype],
         device=str(torch_device),
         max_model_len=max_model_len,
         vocab_size=mc.vocab_size,
         num_layers=mc.num_layers,
         num_kv_heads=mc.num_kv_heads,
         head_dim=mc.head_dim,
-        block_bytes=spec.block_bytes,
+        # the whole group's bytes per block
+        block_bytes=shard.spec.block_bytes * (1 if group is None else group.size),
         eos_token_ids=list(generation.eos_token_ids),
     )
-    return LoadedWorker(model_dir, generation, runner, info)
+    return LoadedWorker(model_dir, generation, runner, info, group, ranks)
 
 
 def check_kernel_shapes(ops: Ops, head_dim: int, block_size: int, dtype: torch.dtype) -> None:
@@ -151,6 +246,10 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         gpu_memory_utilization=config.gpu_memory_utilization,
         enforce_eager=config.enforce_eager,
         max_cudagraph_capture_size=config.max_cudagraph_capture_size,
+        tensor_parallel_size=config.tensor_parallel_size,
+        threads=config.threads,
+        on_rank_death=exit_on_rank_death,
+        log_level=config.log_level,
     )
     log.info(
         "kv_cache_allocated",

@@ -81,8 +81,11 @@ class WorkerConfig(ServiceTLSFields):
     max_cudagraph_capture_size: int = DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE
     # Longest sequence in tokens; None: the model's own context length.
     max_model_len: int | None = None
-    # torch intra-op threads for the forward pass; None: torch's default (one per core).
+    # torch intra-op threads for the forward pass (each rank's); None: torch's default (one per core), the
+    # cores shared out among the ranks of a tensor-parallel group.
     threads: int | None = None
+    # Processes (ranks) the model is sharded over, one device each on CUDA (see worker_svc/parallel.py).
+    tensor_parallel_size: int = 1
     # Where the gRPC server listens; port 0 picks a free port.
     host: str = "0.0.0.0"
     port: int = 0
@@ -119,6 +122,8 @@ class WorkerConfig(ServiceTLSFields):
             raise ValueError(f"max_model_len must be positive, not {self.max_model_len}")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"threads must be positive, not {self.threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, not {self.tensor_parallel_size}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, not {self.port}")
         if self.drain_timeout < 0:
@@ -206,6 +211,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         int,
         "torch intra-op threads (default: torch's, one per core; on 2 free cores, 2 vs 1 thread: "
         "decode 1.1-1.2x, prefill 1.7x faster)",
+    )
+    add(
+        "--tensor-parallel-size",
+        int,
+        "processes (ranks) the model is sharded over, Megatron-style: one GPU each on CUDA (NCCL), or CPU "
+        "processes (gloo); the group is one worker to the scheduler",
+        default=1,
     )
     add("--host", str, "address to listen on", default="0.0.0.0")
     add("--port", int, "port to listen on; 0 picks a free one", default=0)

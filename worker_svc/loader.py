@@ -15,6 +15,7 @@ from safetensors import safe_open
 from pagedserve.kernels import get_ops
 from pagedserve.kernels.ops import Ops, linear_for
 from pagedserve.worker_svc.model import CausalLM, ModelConfig, can_pack_linears
+from pagedserve.worker_svc.parallel import ParallelGroup, shard_config
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +76,21 @@ def read_model_config(model_dir: Path | str) -> ModelConfig:
 
 
 def load_model(
-    model_dir: Path | str, dtype: torch.dtype, device: torch.device | str, ops: Ops | None = None
+    model_dir: Path | str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    ops: Ops | None = None,
+    group: ParallelGroup | None = None,
 ) -> CausalLM:
-    """The model of a HF folder on `device` in `dtype`, its layers calling `ops` (default: the device's)."""
+    """The model of a HF folder on `device` in `dtype`, its layers calling `ops` (default: the device's);
+    with a tensor-parallel group, this rank's shard of it (see parallel.py)."""
     start = time.perf_counter()
     model_dir = Path(model_dir)
-    config = read_model_config(model_dir)
+    full = read_model_config(model_dir)
+    config = full if group is None else shard_config(full, group.size)
     model = CausalLM(config, dtype, device, ops)
+    if group is not None:
+        group.parallelize(model, full)
     params = dict(model.named_parameters())
     # Fused parameters are complete once all their shards are loaded, the others once loaded.
     missing = {(name, None) for name in params}
@@ -97,6 +106,8 @@ def load_model(
             name = hf_name.removeprefix("model.")
             if name == "lm_head.weight" and config.tie_word_embeddings:
                 continue  # some exporters write the tied head anyway
+            if group is not None:
+                tensor = group.shard(full, name, tensor)
             shard = None
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in _FUSED:

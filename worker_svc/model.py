@@ -14,6 +14,7 @@ tests/test_model.py checks against the layer loop below for every family.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,6 +268,8 @@ class Attention(nn.Module):
         # q, k and v in one matmul: the loader concatenates the HF q_proj, k_proj, v_proj rows.
         self.qkv_proj = _linear(h, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype, device)
         self.o_proj = _linear(self.q_size, h, config.o_bias, dtype, device)
+        # Tensor parallelism (worker_svc/parallel.py): sums o_proj's partial outputs over the ranks; None: one rank.
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, dtype, device)
@@ -310,7 +313,8 @@ class Attention(nn.Module):
             out = self.ops.paged_prefill_attention(
                 q, k_cache, v_cache, attn.block_tables, attn.query_start_loc, attn.context_lens, self.scale
             )
-        return self.o_proj(out.reshape(out.shape[0], self.q_size))
+        out = self.o_proj(out.reshape(out.shape[0], self.q_size))
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class MLP(nn.Module):
@@ -322,9 +326,12 @@ class MLP(nn.Module):
             config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype, device
         )
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype, device)
+        # Tensor parallelism (worker_svc/parallel.py): sums down_proj's partial outputs over the ranks.
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -384,6 +391,9 @@ class CausalLM(nn.Module):
         self.tied_head: PackedLinear | None = None
         # The layers in one call of the kernels, where they have a DecoderStack (see pack_linears).
         self.stack: DecoderStack | None = None
+        # Tensor parallelism (worker_svc/parallel.py): the full logits from this rank's vocabulary shard's
+        # (on rank 0; None on the others); None: one rank.
+        self.gather_logits: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     @torch.inference_mode()
     def forward(
@@ -436,9 +446,8 @@ class CausalLM(nn.Module):
         NOTE: the matmul runs in the model dtype (casting the [vocab, hidden] weight every step would cost
         more than the matmul)."""
         head = self.lm_head if self.lm_head is not None else self.tied_head
-        if head is None:
-            return F.linear(hidden, self.embed_tokens.weight)
-        return head(hidden)
+        logits = F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)
+        return logits if self.gather_logits is None else self.gather_logits(logits)
 
     def pack_linears(self) -> None:
         """Replace every nn.Linear (and a tied LM head) with a PackedLinear; see can_pack_linears.
@@ -452,7 +461,10 @@ class CausalLM(nn.Module):
                     setattr(module, name, PackedLinear(child.weight, child.bias, kernels, arena))
         if self.lm_head is None:
             self.tied_head = PackedLinear(self.embed_tokens.weight, None, kernels, arena)
-        if kernels is not None and self.ops.decoder_stack is not None:
+        # NOTE: a tensor-parallel shard sums its layers' outputs over the ranks between the kernels, which
+        # the stack's one call has no place for: it runs the layer loop (docs/tensor-parallel.md has the cost).
+        parallel = self.layers[0].mlp.all_reduce is not None
+        if kernels is not None and self.ops.decoder_stack is not None and not parallel:
             self.stack = self._build_stack(self.ops.decoder_stack)
 
     def _build_stack(self, new_stack: DecoderStackFactory) -> DecoderStack:

@@ -115,6 +115,8 @@ class WorkerServer:
         await self._stop_registering()
         await set_serving(self.health, [SERVICE_NAME], False)
         await self.server.stop(grace)
+        # The other ranks of a tensor-parallel group stop after the last step, from the thread that ran it.
+        self.servicer.executor.post(self.loaded.close)
         self.servicer.executor.shutdown(wait=True)
 
     async def wait_for_termination(self) -> None:
