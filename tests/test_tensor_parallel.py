@@ -9,6 +9,7 @@ model at TP=3.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -22,7 +23,7 @@ from stack_testing import Stack, running, stream_completion, stream_marking_prog
 from transformers import LlamaConfig
 from worker_testing import hf_greedy, load_hf, random_llama
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, AsyncEngineArgs, AsyncLLMEngine, SamplingParams
 from pagedserve.worker_svc.loader import read_model_config
 from pagedserve.worker_svc.parallel import EXIT_RANK_DIED, check_tensor_parallel, shard_config
 
@@ -161,6 +162,29 @@ def test_engine_refuses_a_group_size_the_model_cannot_split_before_starting_any_
         LLM(str(default_model_dir), device="cpu", tensor_parallel_size=2)
 
 
+def test_serve_gives_each_workers_ranks_gpus_of_their_own_and_shares_out_the_cores(monkeypatch):
+    from pagedserve import launcher
+
+    def workers(gpus: int, *argv: str) -> list[tuple[str, ...]]:
+        monkeypatch.setattr(launcher, "_cuda_device_count", lambda: gpus)
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+        config = launcher.LaunchConfig(**vars(launcher.build_parser().parse_args(argv)))
+        out = []
+        for args in launcher._child_args(config, "/m", "127.0.0.1:1", 1)[1]:
+            flags = ("--device", "--tensor-parallel-size", "--gpu-memory-utilization", "--threads")
+            out.append(tuple(args[args.index(f) + 1] if f in args else None for f in flags))
+        return out
+
+    # Worker 0's ranks on cuda:0-1, worker 1's on cuda:2-3, each GPU whole.
+    tp2 = ("--tensor-parallel-size", "2")
+    assert workers(4, "--workers", "2", *tp2, "--device", "cuda") == [
+        ("cuda:0", "2", "0.9", "2"),
+        ("cuda:2", "2", "0.9", "2"),
+    ]
+    assert workers(0, *tp2, "--device", "cpu") == [("cpu", "2", None, "4")]
+    assert workers(0, "--device", "cpu") == [("cpu", None, None, None)]
+
+
 # ---- output: TP=2 equals TP=1 equals transformers -----------------------------------------------------
 
 
@@ -185,6 +209,30 @@ def test_default_model_at_tp3_greedy_output_equals_transformers_while_batched(de
     expected = _transformers_greedy(default_model_dir, outputs, max_tokens=16)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     assert outputs[0].outputs[0].text.strip().startswith("Paris")
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_async_engine_with_two_ranks_streams_concurrent_requests_as_transformers_greedy(split_kv_model):
+    engine = AsyncLLMEngine.from_engine_args(
+        AsyncEngineArgs(
+            model=str(split_kv_model), dtype="float32", device="cpu", tensor_parallel_size=2, max_num_seqs=8
+        )
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+        async def final(i: int):
+            async for output in engine.generate(PROMPTS[i], params, request_id=f"r{i}"):
+                last = output
+            return last
+
+        outputs = await asyncio.wait_for(asyncio.gather(*(final(i) for i in range(6))), 120)
+    finally:
+        engine.shutdown()
+    assert engine.core.stats.num_batched_steps > 0
+    expected = _transformers_greedy(split_kv_model, outputs)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
 
 
 # ---- a rank that dies fails its group; the group comes back --------------------------------------------
