@@ -25,7 +25,12 @@ from worker_testing import hf_greedy, load_hf, random_llama
 
 from pagedserve import LLM, AsyncEngineArgs, AsyncLLMEngine, SamplingParams
 from pagedserve.worker_svc.loader import read_model_config
-from pagedserve.worker_svc.parallel import EXIT_RANK_DIED, check_tensor_parallel, shard_config
+from pagedserve.worker_svc.parallel import (
+    EXIT_RANK_DIED,
+    RankFailedError,
+    check_tensor_parallel,
+    shard_config,
+)
 
 PROMPTS = [
     "The capital of France is",
@@ -263,6 +268,21 @@ def _rank_pid(worker_pid: int, rank: int) -> int | None:
         ):
             return pid
     return None
+
+
+@pytest.mark.slow
+def test_an_engine_whose_rank_died_fails_its_next_step_clearly(replicated_kv_model):
+    llm = LLM(str(replicated_kv_model), dtype="float32", device="cpu", tensor_parallel_size=2, num_blocks=64)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        assert len(llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+        (rank1,) = llm.core.worker.ranks.processes
+        rank1.kill()
+        rank1.wait(timeout=60)
+        with pytest.raises(RankFailedError, match="tensor-parallel group of 2: a collective failed"):
+            llm.generate(PROMPTS[1], params, use_tqdm=False)
+    finally:
+        llm.close()
 
 
 @pytest.fixture

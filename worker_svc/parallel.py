@@ -219,6 +219,10 @@ class VocabParallelEmbedding(nn.Module):
         return self.group.all_reduce(x)
 
 
+class RankFailedError(RuntimeError):
+    """A collective of rank 0's group failed: another rank died or failed, and the group cannot go on."""
+
+
 # ---- the step inputs, from rank 0 to the others --------------------------------------------------------
 
 _FORWARD, _COPY, _STOP = 1, 2, 3
@@ -316,11 +320,23 @@ class LeaderModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        self.broadcast.send_forward(input_ids, positions, attn, output_rows)
-        return self.model(input_ids, positions, attn, kv_caches, output_rows)
+        with self._group_failure():
+            self.broadcast.send_forward(input_ids, positions, attn, output_rows)
+            return self.model(input_ids, positions, attn, kv_caches, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)
+        with self._group_failure():
+            return self.model.compute_logits(hidden)
+
+    @contextlib.contextmanager
+    def _group_failure(self):
+        try:
+            yield
+        except RuntimeError as error:  # gloo and NCCL raise a RuntimeError (DistBackendError) for a lost peer
+            raise RankFailedError(
+                f"tensor-parallel group of {self.group.size}: a collective failed, another rank is gone "
+                f"or failed ({error})"
+            ) from error
 
 
 class _LeaderOps:
