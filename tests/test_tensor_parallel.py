@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from stack_testing import Stack, running, stream_completion, stream_marking_progress, wait_for
 from transformers import LlamaConfig
 from worker_testing import hf_greedy, load_hf, random_llama
@@ -27,8 +28,10 @@ from pagedserve import LLM, AsyncEngineArgs, AsyncLLMEngine, SamplingParams
 from pagedserve.worker_svc.loader import read_model_config
 from pagedserve.worker_svc.parallel import (
     EXIT_RANK_DIED,
+    ParallelGroup,
     RankFailedError,
     check_tensor_parallel,
+    rank_device,
     shard_config,
 )
 
@@ -165,6 +168,15 @@ def test_fewer_kv_heads_than_ranks_are_replicated_and_other_shapes_refused(defau
 def test_engine_refuses_a_group_size_the_model_cannot_split_before_starting_any_rank(default_model_dir):
     with pytest.raises(ValueError, match="does not divide its 9 query heads"):
         LLM(str(default_model_dir), device="cpu", tensor_parallel_size=2)
+
+
+def test_cuda_ranks_use_nccl_a_gpu_each_and_are_refused_without_enough_gpus(default_model_dir):
+    assert ParallelGroup(0, 2, torch.device("cuda", 0)).backend == "nccl"
+    assert ParallelGroup(0, 2, torch.device("cpu")).backend == "gloo"
+    assert rank_device(torch.device("cpu"), 1) == torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"rank 2 needs cuda:{gpus + 2}, but {gpus} GPU\(s\) are visible"):
+        LLM(str(default_model_dir), device=f"cuda:{gpus}", tensor_parallel_size=3)
 
 
 def test_serve_gives_each_workers_ranks_gpus_of_their_own_and_shares_out_the_cores(monkeypatch):

@@ -33,6 +33,7 @@ from pagedserve.worker_svc.parallel import (
     check_tensor_parallel,
     default_threads,
     exit_on_rank_death,
+    rank_device,
     shard_config,
     start_group,
     stop_group,
@@ -175,6 +176,7 @@ def assemble(
         threads = threads or default_threads(tensor_parallel_size)
         torch.set_num_threads(threads)
         base = resolve_device(device)
+        rank_device(base, tensor_parallel_size - 1)  # every rank has its GPU, before any starts
         follower_args = {**shard_args, "model": str(model_dir), "device": str(base), "threads": threads}
         group, ranks = start_group(
             tensor_parallel_size, base, {**follower_args, "log_level": log_level}, on_rank_death
