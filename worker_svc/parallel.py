@@ -122,7 +122,8 @@ class ParallelGroup:
             return None
         shards = [torch.empty_like(local) for _ in range(self.size)]
         dist.gather(local, shards, dst=0)
-        return torch.cat(shards, dim=1)[:, : self.vocab_size]
+        logits = torch.cat(shards, dim=1)
+        return logits if logits.shape[1] == self.vocab_size else logits[:, : self.vocab_size].contiguous()
 
     def min(self, value: int) -> int:
         """The smallest of the ranks' values (each rank's KV pool must have the same block count)."""
