@@ -52,6 +52,15 @@ PROMPTS = [
 MAX_TOKENS = 24
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """A tensor-parallel engine gives rank 0 (this process) its share of the cores; the next test gets
+    them back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def save_llama(
     path: Path,
     tokenizer_dir: Path,
