@@ -227,3 +227,24 @@ def test_drafts_stay_within_max_tokens():
     for out in driver.outputs:
         for _, drafts in out.drafts:
             assert len(drafts) <= 2
+
+
+def test_metrics_carry_vllms_spec_decode_names():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pagedserve.gateway.metrics import EngineStatsCollector
+    from pagedserve.v1 import engine_pb2
+
+    stats = engine_pb2.EngineStats(
+        spec_decode_num_drafts=4,
+        spec_decode_num_draft_tokens=12,
+        spec_decode_num_accepted_tokens=7,
+        spec_decode_num_accepted_tokens_per_pos=[4, 2, 1],
+    )
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(lambda: stats, "m"))
+    text = generate_latest(registry).decode()
+    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 4.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0' in text
