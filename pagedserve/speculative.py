@@ -20,6 +20,8 @@ _VLLM_ONLY_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "draft_mode
 MAX_SPECULATIVE_TOKENS = 32
 # vLLM's default n-gram sizes when neither is given.
 DEFAULT_PROMPT_LOOKUP = 5
+# disable_by_batch_size when the configuration leaves it out (vLLM has no limit; null lifts it here too).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +34,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     # No proposals in a step while more sequences than this run on the worker; None: no such limit.
-    # NOTE: vLLM's field; a large batch gains least (its step is already compute-bound) and each sequence
-    # with drafts leaves the pipeline for a step (docs/speculative-decoding.md).
-    disable_by_batch_size: int | None = None
+    # NOTE: vLLM's field, whose default there is no limit. Here 8: a CPU step of 32 decodes is already
+    # compute-bound, so 1 + k positions per sequence cost about what the accepted drafts save, and each
+    # sequence with drafts leaves the pipeline for a step (docs/speculative-decoding.md, performance.md).
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -53,3 +53,36 @@ def test_seeded_sampling_is_identical_with_ngram_drafts():
 def test_bad_speculative_config_fails_before_the_model_loads():
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         LLM(speculative_config={"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3})
+
+
+def test_served_stack_with_speculative_config_answers_as_the_offline_engine_without(
+    default_model_dir, tmp_path
+):
+    """`pagedserve serve --speculative-config` on real processes, through the openai SDK: greedy float32 text
+    equal to the offline engine's without drafts, vLLM's counters on /metrics, no block held once idle."""
+    import json
+
+    import httpx
+    import openai
+    from stack_testing import MODEL, Stack, running, wait_for
+
+    prompts = PROMPTS[:4]
+    reference = LLM(dtype="float32").generate(
+        prompts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False
+    )
+    args = ["--dtype", "float32", "--num-blocks", "256", "--log-level", "warning"]
+    args += ["--speculative-config", json.dumps(SPEC)]
+    with running(Stack(default_model_dir, tmp_path, serve_args=args)) as stack:
+        client = openai.OpenAI(base_url=stack.openai_base_url, api_key="unused", max_retries=0, timeout=600)
+        for prompt, expected in zip(prompts, reference, strict=True):
+            reply = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=40)
+            assert reply.choices[0].text == expected.outputs[0].text
+        metrics = httpx.get(f"{stack.http_url}/metrics", timeout=30).text
+        accepted = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("vllm:spec_decode_num_accepted_tokens_total")
+        ]
+        assert accepted and float(accepted[0].split()[-1]) > 0, metrics
+        assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="' in metrics
+        wait_for(lambda: stack.engine_stats().num_blocks_in_use == 0, 60, "blocks still held once idle")

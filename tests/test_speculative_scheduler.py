@@ -21,13 +21,20 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 
 def test_vllm_shaped_config_parses_from_json_and_dict():
     text = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
-    assert parse_speculative_config(text) == SpeculativeConfig("ngram", 5, 4, 2)
+    assert parse_speculative_config(text) == SpeculativeConfig("ngram", 5, 4, 2, 8)
     assert parse_speculative_config({"num_speculative_tokens": 2}) == SpeculativeConfig("ngram", 2, 5, 5)
     assert (
         parse_speculative_config({"num_speculative_tokens": 2, "prompt_lookup_max": 3}).prompt_lookup_min == 3
     )
     assert parse_speculative_config({"model": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
     assert parse_speculative_config(None) is None and parse_speculative_config("") is None
+    assert parse_speculative_config({"num_speculative_tokens": 2}).disable_by_batch_size == 8
+    assert (
+        parse_speculative_config(
+            {"num_speculative_tokens": 2, "disable_by_batch_size": None}
+        ).disable_by_batch_size
+        is None
+    )
 
 
 @pytest.mark.parametrize(
