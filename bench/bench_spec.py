@@ -143,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {v: [] for v in engines}
         tokens: dict[str, list[list[int]]] = {}
         before = engines["ngram"].scheduler.stats()
-        for _ in range(args.repeats):
-            for variant, llm in engines.items():  # interleaved
+        for repeat in range(args.repeats):
+            # Interleaved, each variant first in every other repeat (the order itself must not favour one).
+            order = list(engines.items()) if repeat % 2 == 0 else list(engines.items())[::-1]
+            for variant, llm in order:
                 seconds, out = run(llm, prompts, params, chat)
                 times[variant].append(seconds)
                 tokens[variant] = out
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         f"\nn-gram speculative decoding (k={args.k}, lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}), "
-        f"median of {args.repeats} interleaved runs"
+        f"median of {args.repeats} interleaved runs, {args.dtype} weights"
     )
     header = (
         f"{'workload':<9} {'reqs':>4} {'tokens':>6} {'plain tok/s':>11} {'ngram tok/s':>11} {'speedup':>7} "

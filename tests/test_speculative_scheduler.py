@@ -255,3 +255,12 @@ def test_metrics_carry_vllms_spec_decode_names():
     assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
     assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0' in text
+
+
+def test_async_engine_args_carry_the_config_to_the_engine():
+    from pagedserve import AsyncEngineArgs
+
+    config = AsyncEngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 3}).engine_config()
+    assert config.speculative_config == SpeculativeConfig("ngram", 3, 5, 5)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        AsyncEngineArgs(speculative_config={"method": "ngram"}).engine_config()
