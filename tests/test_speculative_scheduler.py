@@ -11,6 +11,7 @@ from pagedserve.scheduler_svc.config import SchedulerConfig
 from pagedserve.scheduler_svc.ngram import NgramIndex
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.speculative import SpeculativeConfig, parse_speculative_config
+from pagedserve.validation import child_seed
 
 BS = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -125,12 +126,9 @@ def _check_cached_tokens(scheduler: Scheduler) -> None:
             node = node.parent
 
 
-@pytest.mark.parametrize("lag", [0, 1])
-@pytest.mark.parametrize("seed", range(6))
-def test_speculative_outputs_equal_plain_decoding_with_pools_whole_after(lag, seed):
-    """Random workloads (n > 1 forks, shared prefixes, a pool small enough to preempt, pipelined or not):
-    every sequence gets the tokens it gets decoded alone, every invariant holds after every schedule and
-    update, drafts were accepted and rejected, and once all is done no block is held."""
+def _random_workload(seed: int, lag: int) -> tuple[Scheduler, Driver, dict]:
+    """Seven requests (n up to 2, some sharing a prompt prefix) on a pool small enough to preempt, run to the
+    end; returns the scheduler, the driver and what each parent sequence must produce."""
     rng = random.Random(seed)
     scheduler = _scheduler(num_blocks=rng.choice([28, 48]), budget=rng.choice([12, 64]))
     driver = Driver(scheduler, lag=lag, check=lambda: _check_cached_tokens(scheduler), markov=True)
@@ -143,15 +141,23 @@ def test_speculative_outputs_equal_plain_decoding_with_pools_whole_after(lag, se
         driver.add(
             make_request(f"r{i}", prompt, eos=None, n=n, seed=i, max_tokens=max_tokens, temperature=1.0)
         )
-        for index in range(n):
-            child_seed = scheduler._requests[f"r{i}"][0].sampling.seed if index == 0 else None
-            expected[(f"r{i}", index)] = (prompt, child_seed, max_tokens)
+        for index in range(n):  # a fork's seed is the engine's child seed of its parent's
+            expected[(f"r{i}", index)] = (prompt, i if index == 0 else child_seed(i, index), max_tokens)
     driver.run()
-    for (request_id, index), (prompt, child_seed, max_tokens) in expected.items():
-        log = driver.logs[(request_id, index)]
-        if child_seed is not None:  # the parent's own seed; its forks' follow from it
-            assert log.tokens == expected_markov_tokens(prompt, child_seed, max_tokens)
-        assert len(log.tokens) == max_tokens
+    return scheduler, driver, expected
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+@pytest.mark.parametrize("seed", range(6))
+def test_speculative_outputs_equal_plain_decoding_with_pools_whole_after(lag, seed):
+    """Random workloads (n > 1 forks, shared prefixes, a pool small enough to preempt, pipelined or not):
+    every sequence gets the tokens it gets decoded alone, every invariant holds after every schedule and
+    update, drafts were accepted, and once all is done no block is held."""
+    scheduler, driver, expected = _random_workload(seed, lag)
+    for (request_id, index), (prompt, seed_of_sequence, max_tokens) in expected.items():
+        assert driver.logs[(request_id, index)].tokens == expected_markov_tokens(
+            prompt, seed_of_sequence, max_tokens
+        )
     stats = scheduler.stats()
     assert stats.spec_num_accepted_tokens > 0
     assert stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
@@ -164,18 +170,24 @@ def test_speculative_outputs_equal_plain_decoding_with_pools_whole_after(lag, se
             assert not {id(r) for r, _ in out.drafts} & {id(r) for r in following.scheduled}
 
 
+def test_the_random_workloads_preempt_and_hit_the_prefix_cache_with_drafts_in_flight():
+    stats = [_random_workload(seed, lag=1)[0].stats() for seed in range(6)]
+    assert sum(s.num_preemptions for s in stats) > 0
+    assert sum(s.prefix_cache_hits for s in stats) > 0
+    assert (
+        sum(s.spec_num_draft_tokens - s.spec_num_accepted_tokens for s in stats) > 0
+    )  # rejections rolled back
+
+
 def test_forks_get_the_tokens_of_their_own_seeds():
     scheduler = _scheduler()
     driver = Driver(scheduler, lag=1, check=lambda: check_invariants(scheduler), markov=True)
     prompt = [5, 6, 7, 8, 9]
     driver.add(make_request("a", prompt, eos=None, n=3, seed=11, max_tokens=30, temperature=1.0))
-    seeds = [r.sampling.seed for r in scheduler._requests["a"]]
     driver.run()
     # the forks' seeds are the engine's child seeds of 11; each sequence is what it would be alone
-    from pagedserve.validation import child_seed
-
     for index in range(3):
-        seed = seeds[0] if index == 0 else child_seed(seeds[0], index)
+        seed = 11 if index == 0 else child_seed(11, index)
         assert driver.logs[("a", index)].tokens == expected_markov_tokens(prompt, seed, 30)
     assert scheduler.stats().spec_num_drafts > 0
 
@@ -260,7 +272,9 @@ def test_metrics_carry_vllms_spec_decode_names():
 def test_async_engine_args_carry_the_config_to_the_engine():
     from pagedserve import AsyncEngineArgs
 
-    config = AsyncEngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 3}).engine_config()
+    config = AsyncEngineArgs(
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3}
+    ).engine_config()
     assert config.speculative_config == SpeculativeConfig("ngram", 3, 5, 5)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         AsyncEngineArgs(speculative_config={"method": "ngram"}).engine_config()
