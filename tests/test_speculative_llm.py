@@ -77,6 +77,14 @@ def test_served_stack_with_speculative_config_answers_as_the_offline_engine_with
         for prompt, expected in zip(prompts, reference, strict=True):
             reply = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=40)
             assert reply.choices[0].text == expected.outputs[0].text
+            # Streamed, several tokens arrive per step where drafts are accepted: the same text.
+            stream = client.completions.create(
+                model=MODEL, prompt=prompt, temperature=0, max_tokens=40, stream=True
+            )
+            assert (
+                "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+                == expected.outputs[0].text
+            )
         metrics = httpx.get(f"{stack.http_url}/metrics", timeout=30).text
         accepted = [
             line
