@@ -11,7 +11,7 @@ NODE_STAMP := $(NODE_EXAMPLE)/node_modules/.installed
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast test-isa lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels bench-soak bench-structured bench-tp gpu-check gpu-wheels clean
+.PHONY: install serve test test-fast test-isa lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels bench-soak bench-structured bench-tp bench-spec gpu-check gpu-wheels clean
 
 install: $(STAMP) $(NODE_STAMP)
 
@@ -104,6 +104,10 @@ bench-structured: install
 # Tensor parallelism's cost on this machine: the all-reduce per layer, the step inputs' broadcast, TP=2 vs TP=1.
 bench-tp: install
 	$(BIN)/python bench/bench_tp.py
+
+# n-gram speculative decoding against plain decoding: a copying stream, random text, 32 concurrent requests.
+bench-spec: install
+	$(BIN)/python bench/bench_spec.py
 
 # At least 30 minutes of mixed traffic (aborts, n > 1, many cache salts) against `pagedserve serve`:
 # every process's resident memory and the KV usage over time. make bench-soak BENCH_ARGS="--minutes 30"

@@ -78,6 +78,27 @@ class EngineStatsCollector(Collector):
         )
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("num_preemptions", "Requests preempted.", s.num_preemptions)
+        yield counter(
+            "spec_decode_num_drafts", "Speculative decoding: drafts verified.", s.spec_decode_num_drafts
+        )
+        yield counter(
+            "spec_decode_num_draft_tokens",
+            "Speculative decoding: draft tokens verified.",
+            s.spec_decode_num_draft_tokens,
+        )
+        yield counter(
+            "spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted.",
+            s.spec_decode_num_accepted_tokens,
+        )
+        per_pos = CounterMetricFamily(
+            name("spec_decode_num_accepted_tokens_per_pos"),
+            "Speculative decoding: draft tokens accepted, by position in the draft.",
+            labels=[*labels, "position"],
+        )
+        for position, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([*values, str(position)], count)
+        yield per_pos
         yield counter("prompt_tokens", "Prompt tokens computed.", s.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
         success = CounterMetricFamily(

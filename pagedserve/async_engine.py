@@ -75,6 +75,8 @@ class AsyncEngineArgs:
     # On CUDA: the share of the device the engine may hold; its KV pool takes what the weights and a step's
     # activations leave of it, unless kv_cache_memory or num_gpu_blocks_override sizes the pool.
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    # Speculative decoding, vLLM's dict ({"method": "ngram", "num_speculative_tokens": k, ...}); None: off.
+    speculative_config: dict | str | None = None
 
     def engine_config(self) -> EngineConfig:
         kv_cache_memory = self.kv_cache_memory
@@ -94,6 +96,7 @@ class AsyncEngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager,
             tensor_parallel_size=self.tensor_parallel_size,
+            speculative_config=self.speculative_config,
         )
 
     def __post_init__(self) -> None:

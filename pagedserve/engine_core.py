@@ -37,6 +37,7 @@ from pagedserve.scheduler_svc.scheduler import RequestOutput as TokenUpdate
 from pagedserve.scheduler_svc.scheduler import Scheduler
 from pagedserve.scheduler_svc.structured_output import Grammar, GrammarCompiler, load_tokenizer
 from pagedserve.service_main import freeze_startup_objects
+from pagedserve.speculative import SpeculativeConfig, parse_speculative_config
 from pagedserve.v1 import common_pb2
 from pagedserve.validation import check_max_tokens, check_prompt
 from pagedserve.worker_svc.assembly import assemble
@@ -113,6 +114,12 @@ class EngineConfig:
     enforce_eager: bool = False
     # Processes (ranks) the model is sharded over (worker_svc/parallel.py); this one is rank 0.
     tensor_parallel_size: int = 1
+    # Speculative decoding in vLLM's shape ({"method": "ngram", "num_speculative_tokens": k, ...}, as a dict,
+    # JSON text or SpeculativeConfig); None: off. Checked here, before the model loads.
+    speculative_config: SpeculativeConfig | dict | str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
 
 
 class EngineCore:
@@ -157,6 +164,7 @@ class EngineCore:
             ),
             max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
+            speculative=config.speculative_config,
         )
         self.scheduler = Scheduler(self.scheduler_config)
         self.plan_builder = PlanBuilder()

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from pagedserve.gateway.tool_calls import PARSERS
 from pagedserve.logging import configure_logging, get_logger
+from pagedserve.speculative import parse_speculative_config
 from pagedserve.worker_svc.config import DEFAULT_GPU_MEMORY_UTILIZATION
 
 if TYPE_CHECKING:
@@ -121,6 +122,8 @@ class LaunchConfig:
     log_level: str
     # The format the model writes tool calls in (the gateway's --tool-call-parser); None: the gateway's default.
     tool_call_parser: str | None = None
+    # Speculative decoding, vLLM's JSON (the scheduler's --speculative-config); None: off.
+    speculative_config: str | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--speculative-config",
+        default=env.get("PAGEDSERVE_SPECULATIVE_CONFIG"),
+        help='speculative decoding as vLLM takes it, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--scheduler-port", type=int, default=0, help="internal Engine port (0: free)")
     parser.add_argument(
@@ -433,6 +441,7 @@ def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, sched
         ("--max-num-seqs", config.max_num_seqs),
         ("--max-num-batched-tokens", config.max_num_batched_tokens),
         ("--max-queued-requests", config.max_queued_requests),
+        ("--speculative-config", config.speculative_config),
     ]:
         if value is not None:
             scheduler += [flag, str(value)]
@@ -585,5 +594,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "pagedserve serve: --max-restarts-per-minute and --restart-backoff must not be negative",
             file=sys.stderr,
         )
+        return 2
+    try:
+        parse_speculative_config(args.speculative_config)
+    except ValueError as error:
+        print(f"pagedserve serve: {error}", file=sys.stderr)
         return 2
     return serve(LaunchConfig(**vars(args)))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pagedserve.speculative import SpeculativeConfig
+
 
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
@@ -28,6 +30,8 @@ class SchedulerConfig:
     # Most cache salts with cached blocks (prefix-trie roots); a new one past it evicts the least
     # recently used salt whose blocks no request holds, or runs without prefix caching if none can go.
     max_cache_salts: int = 1024
+    # Speculative decoding: n-gram drafts verified by the worker in one pass; None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:

@@ -27,11 +27,11 @@ from pagedserve.errors import InvalidRequestError, OverloadedError, PagedServeEr
 from pagedserve.grpc_utils import WORKER_CHANNEL_OPTIONS, open_channel
 from pagedserve.logging import get_logger
 from pagedserve.scheduler_svc.config import SchedulerConfig
-from pagedserve.scheduler_svc.metrics import EngineMetrics
+from pagedserve.scheduler_svc.metrics import EngineMetrics, add_per_position
 from pagedserve.scheduler_svc.request import Request
 from pagedserve.scheduler_svc.request_stream import END, RequestStream
 from pagedserve.scheduler_svc.router import choose_worker
-from pagedserve.scheduler_svc.scheduler import RequestFailure, RequestOutput
+from pagedserve.scheduler_svc.scheduler import RequestFailure, RequestOutput, SchedulerStats
 from pagedserve.scheduler_svc.service_config import SchedulerServiceConfig
 from pagedserve.scheduler_svc.structured_output import Grammar, GrammarCompiler
 from pagedserve.scheduler_svc.worker_loop import PromptLogprobs, WorkerEngine, WorkerLoopSettings
@@ -70,7 +70,9 @@ class Engine:
         self.pending: deque[RequestStream] = deque()
         self.metrics = EngineMetrics()
         # Core counters of schedulers discarded after a worker failure (kept so totals never drop).
-        self.retired = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+        self.retired = dict.fromkeys(_COUNTERS, 0)
+        # Accepted draft tokens by draft position, of the retired workers' cores.
+        self.retired_accepted_per_pos: list[int] = []
         self._reconnects: dict[str, asyncio.Task] = {}
         # Set by drain() (SIGTERM): new requests are refused, live ones run to their end.
         self.draining = False
@@ -162,6 +164,7 @@ class Engine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             policy=cfg.scheduling_policy,
             max_cache_salts=cfg.max_cache_salts,
+            speculative=cfg.speculative,
         )
         if core.max_model_len < self.max_model_len:
             log.warning(
@@ -283,6 +286,7 @@ class Engine:
     def _retire_counters(self, worker: WorkerEngine) -> None:
         for key, value in _core_counters(worker).items():
             self.retired[key] += value
+        add_per_position(self.retired_accepted_per_pos, worker.core_stats().spec_num_accepted_tokens_per_pos)
 
     def _health_changed(self) -> None:
         if self.on_health_change is not None:
@@ -627,12 +631,13 @@ class Engine:
     def stats(self) -> engine_pb2.EngineStats:
         stats = engine_pb2.EngineStats()
         counters = dict(self.retired)
+        accepted_per_pos = list(self.retired_accepted_per_pos)
         total_blocks = used_blocks = 0
         for worker in self.workers.values():
             core = worker.core_stats()
-            counters["prefix_cache_queries"] += core.prefix_cache_queries
-            counters["prefix_cache_hits"] += core.prefix_cache_hits
-            counters["num_preemptions"] += core.num_preemptions
+            for key, value in _counters_of(core).items():
+                counters[key] += value
+            add_per_position(accepted_per_pos, core.spec_num_accepted_tokens_per_pos)
             stats.workers.append(
                 engine_pb2.WorkerStats(
                     worker_id=worker.worker_id,
@@ -660,9 +665,9 @@ class Engine:
         stats.num_requests_waiting += len(self.pending)
         stats.num_blocks_in_use = used_blocks
         stats.kv_cache_usage = used_blocks / total_blocks if total_blocks else 0.0
-        stats.prefix_cache_queries = counters["prefix_cache_queries"]
-        stats.prefix_cache_hits = counters["prefix_cache_hits"]
-        stats.num_preemptions = counters["num_preemptions"]
+        for key, value in counters.items():
+            setattr(stats, key, value)
+        stats.spec_decode_num_accepted_tokens_per_pos.extend(accepted_per_pos)
         self.metrics.fill(stats)
         return stats
 
@@ -681,10 +686,23 @@ class Engine:
         )
 
 
+# EngineStats' counters summed over the workers' cores (those of retired workers kept).
+_COUNTERS = (
+    "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+)  # fmt: skip
+
+
 def _core_counters(worker: WorkerEngine) -> dict[str, int]:
-    stats = worker.core_stats()
+    return _counters_of(worker.core_stats())
+
+
+def _counters_of(stats: SchedulerStats) -> dict[str, int]:
     return {
         "prefix_cache_queries": stats.prefix_cache_queries,
         "prefix_cache_hits": stats.prefix_cache_hits,
         "num_preemptions": stats.num_preemptions,
+        "spec_decode_num_drafts": stats.spec_num_drafts,
+        "spec_decode_num_draft_tokens": stats.spec_num_draft_tokens,
+        "spec_decode_num_accepted_tokens": stats.spec_num_accepted_tokens,
     }

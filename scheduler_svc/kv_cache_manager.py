@@ -194,10 +194,21 @@ class KVCacheManager:
         child.block_table = list(parent.block_table)
         self.pool.incref(child.block_table)
 
+    def roll_back(self, req: Request) -> None:
+        """Free the blocks of req's table past those that hold its computed tokens (rejected drafts' blocks:
+        never cached, as only full blocks of known tokens are), noting the new length for the plan builder."""
+        keep = -(-req.num_computed_tokens // self.block_size)
+        table = req.block_table
+        if len(table) > keep:
+            self.pool.free(reversed(table[keep:]))
+            del table[keep:]
+            req.rolled_back_table_len = keep
+
     def free(self, req: Request) -> None:
         """Release req's blocks (tail first, so tails are evicted before the blocks they extend)."""
         self.pool.free(reversed(req.block_table))
         req.block_table = []
+        req.rolled_back_table_len = -1
         req.num_computed_tokens = 0
         req.num_cached_blocks = 0
         req.cache_node = None

@@ -25,6 +25,13 @@ REQUEST_BOUNDS = (
 )  # fmt: skip
 
 
+def add_per_position(total: list[int], per_position: list[int]) -> None:
+    """Add counts by position (speculative decoding's accepted tokens by draft position) into total, in place."""
+    total.extend([0] * (len(per_position) - len(total)))
+    for i, value in enumerate(per_position):
+        total[i] += value
+
+
 @dataclass(slots=True)
 class Histogram:
     # Upper bounds of the buckets, increasing; +Inf is implied.

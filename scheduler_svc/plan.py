@@ -75,7 +75,9 @@ class PlanBuilder:
                 num_computed = req.num_computed_tokens - num_tokens
                 # NOTE: requests enter with every token known (forks and comebacks wait for
                 # their samples), so the worker gets the whole list once.
-                assert num_computed + num_tokens <= len(req.token_ids), "entering with unknown tokens"
+                assert num_computed + num_tokens <= len(req.token_ids) + len(req.draft_token_ids), (
+                    "entering with unknown tokens"
+                )
                 plan.new_requests.add(
                     slot=slot,
                     request_id=req.request_id,
@@ -87,6 +89,10 @@ class PlanBuilder:
                 )
             table = req.block_table
             have = sent[slot]
+            if req.rolled_back_table_len >= 0:
+                # NOTE: the worker dropped the entries past it when it rejected drafts (worker.proto).
+                have = sent[slot] = min(have, req.rolled_back_table_len)
+                req.rolled_back_table_len = -1
             slots.append(slot)
             if len(table) > have:
                 new_block_ids.extend(table[have:])
@@ -102,6 +108,10 @@ class PlanBuilder:
             assert out.token_masks is not None and len(out.token_masks) == len(out.masked)
             plan.mask_slots.extend([slot_of[req] for req in out.masked])
             plan.token_masks = out.token_masks.tobytes()
+        for req, drafts in out.drafts:
+            plan.draft_slots.append(slot_of[req])
+            plan.num_draft_tokens.append(len(drafts))
+            plan.draft_token_ids.extend(drafts)
         self._steps[out.step_id] = (slots, out.scheduled)
         self._steps.pop(out.step_id - _KEPT_STEPS, None)
         return request

@@ -14,6 +14,7 @@ from .prefix_cache import CacheNode
 if TYPE_CHECKING:
     import llguidance
 
+    from .ngram import NgramIndex
     from .structured_output import Grammar
 
 
@@ -87,6 +88,18 @@ class Request:
     stop_token_id: int | None = None
     # This sequence's grammar matcher (its state after every token received), when it has a grammar.
     matcher: llguidance.LLMatcher | None = None
+    # Speculative decoding: the draft tokens of its step in flight (it is not scheduled again until their
+    # result says how many were accepted); empty when none is.
+    draft_token_ids: list[int] = field(default_factory=list)
+    # Its n-gram index, made at its first lookup.
+    ngram: NgramIndex | None = None
+    # Step before which it gets no proposal (it backs off after drafts that were all rejected), and how
+    # many of its drafts in a row were all rejected.
+    spec_resume_step: int = 0
+    spec_misses: int = 0
+    # Block table length after its latest rollback (the worker drops the same entries), for the plan builder;
+    # -1: none since its latest plan.
+    rolled_back_table_len: int = -1
 
     # --- from sampling, as plain Python (read every step; proto field access is slow) ---
     # Tokens generated before EOS or a stop token id may end the sequence.

@@ -11,6 +11,17 @@ worker feeds each decode its own last sample) before its id is known here. Not s
 structured-output constraint: its next mask depends on the token in flight, so it is scheduled again
 only once that token has come back and advanced its matcher (the rest of the batch keeps pipelining).
 
+Speculative decoding (config.speculative): a decoding sequence whose tokens end in an n-gram seen earlier in
+them gets draft tokens (what followed there) and computes 1 + k positions in one step; the worker accepts the
+drafts its own sampling agrees with. Until that result comes back the sequence is not scheduled again, since
+how many tokens it will have is unknown (a sequence with drafts is not pipelined; the rest of the batch is).
+A sequence whose last token is still in flight proposes from the tokens before it, skipping the
+continuation's first token (its guess of the token in flight): the worker verifies the drafts after the real
+token, so a wrong guess costs only their rejection. The result rolls the rest back: the computed tokens stop
+after the accepted drafts, block table entries past them are freed, and only accepted tokens reach the
+prefix cache (it takes full blocks of known tokens only). Drafts that are all rejected make the sequence wait
+2, 4, ... 64 steps before its next proposal.
+
 No request can take the others down: an exception in one request's part of a step (its admission,
 its fork, its bookkeeping when a result comes in) fails that request alone, its blocks freed, and the
 step goes on; so does a request the worker refuses. The caller collects them with take_failures().
@@ -29,6 +40,7 @@ from pagedserve.v1 import common_pb2, worker_pb2
 
 from .config import SchedulerConfig
 from .kv_cache_manager import CowCopy, KVCacheManager, PrefixHit
+from .ngram import NgramIndex
 from .request import Request, RequestStatus
 from .structured_output import MaskFiller, matcher_error
 
@@ -56,6 +68,8 @@ class SchedulerOutput:
     masked: list[Request] = field(default_factory=list)
     # Their token masks: int32 [len(masked), ceil(vocab_size / 32)], llguidance's packed bits; None if none.
     token_masks: np.ndarray | None = None
+    # Sampled requests that verify draft tokens, with their drafts, in plan order.
+    drafts: list[tuple[Request, list[int]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -118,6 +132,12 @@ class SchedulerStats:
     requests_finished: dict[str, int] = field(default_factory=dict)
     # schedule() calls, ever.
     num_steps: int = 0
+    # Speculative decoding, ever: steps in which a sequence verified drafts, the draft tokens, those accepted,
+    # and those accepted by position in their draft (vLLM's spec_decode_* counters).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -144,6 +164,11 @@ class Scheduler:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._finished_by_reason = {"stop": 0, "length": 0, "abort": 0}
+        self._spec_drafts = 0
+        self._spec_draft_tokens = 0
+        self._spec_accepted = 0
+        spec = config.speculative
+        self._spec_accepted_per_pos = [0] * (spec.num_speculative_tokens if spec is not None else 0)
         # Requests failed since the last take_failures().
         self._failures: list[RequestFailure] = []
         # Computes the masks of constrained rows; made with the first of them.
@@ -312,13 +337,18 @@ class Scheduler:
         preempted = False
         # Ids of the requests that failed in this step (their entries leave the step's lists).
         failed: set[str] = set()
+        drafts: list[tuple[Request, list[int]]] = []
+        spec = cfg.speculative
+        propose = spec is not None and (
+            spec.disable_by_batch_size is None or len(running) <= spec.disable_by_batch_size
+        )
 
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             i += 1
-            if req.num_pending_tokens and req.matcher is not None:
-                continue  # constrained: its next mask waits for the token in flight
+            if req.num_pending_tokens and (req.matcher is not None or req.draft_token_ids):
+                continue  # constrained: its next mask waits for the token in flight; or drafts in flight
             # NOTE: a try costs nothing until it catches (Python 3.11).
             try:
                 start = req.num_computed_tokens
@@ -330,6 +360,16 @@ class Scheduler:
                     if num_tokens - req.prompt_len >= req.max_output_tokens:
                         continue  # its last samples are in flight: the results will finish it
                     num_new = num_tokens - start
+                    if (
+                        propose
+                        and num_new == 1
+                        and req.matcher is None
+                        and not req.wants_logprobs
+                        and self._step_id >= req.spec_resume_step
+                        and self._speculate(req, budget, num_tokens, cows, scheduled, counts, sampled, drafts)
+                    ):
+                        budget -= counts[-1]
+                        continue
                     if (
                         num_new == 1
                         and start % bs
@@ -407,6 +447,7 @@ class Scheduler:
             counts = [counts[k] for k in kept]
             sampled = [r for r in sampled if r.request_id not in failed]
             cows = [c for c in cows if c.request.request_id not in failed]
+            drafts = [d for d in drafts if d[0].request_id not in failed]
             budget = cfg.max_num_batched_tokens - sum(counts)
         assert len(running) <= cfg.max_num_seqs
         masked = [r for r in sampled if r.matcher is not None]
@@ -422,6 +463,7 @@ class Scheduler:
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
             masked=masked,
             token_masks=token_masks,
+            drafts=drafts,
         )
         self._finished = []
         self._preempted = []
@@ -480,6 +522,86 @@ class Scheduler:
             self._to_fork.append(req)
         if req.cache_node is not None and min(end, len(req.token_ids)) // bs > req.num_cached_blocks:
             self.kv.cache_full_blocks(req, self._step_id)
+
+    def _speculate(
+        self,
+        req: Request,
+        budget: int,
+        num_tokens: int,
+        cows: list[CowCopy],
+        scheduled: list[Request],
+        counts: list[int],
+        sampled: list[Request],
+        drafts: list[tuple[Request, list[int]]],
+    ) -> bool:
+        """Schedule the decoding request's next token with n-gram drafts after it (1 + k positions) if it has
+        a proposal and the blocks for it; False, changing nothing, if not (it decodes as usual)."""
+        spec = self.config.speculative
+        assert spec is not None
+        # NOTE: every token it may produce (the drafts and the one sampled after them) stays within its limit.
+        k = min(
+            spec.num_speculative_tokens, budget - 1, req.max_output_tokens - (num_tokens - req.prompt_len) - 1
+        )
+        if k < 1:
+            return False
+        if req.ngram is None:
+            req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        proposal = req.ngram.propose(req.token_ids, k, skip=req.num_pending_tokens)
+        if not proposal or not self.kv.allocate_slots(req, 1 + len(proposal), cows):
+            return False  # NOTE: drafts never preempt anyone: without blocks for them it decodes alone
+        start = req.num_computed_tokens
+        req.num_computed_tokens = start + 1 + len(proposal)
+        req.num_pending_tokens += 1
+        req.draft_token_ids = proposal
+        scheduled.append(req)
+        counts.append(1 + len(proposal))
+        sampled.append(req)
+        drafts.append((req, proposal))
+        if start < req.prompt_len:
+            self._prompt_tokens += req.prompt_len - start
+        bs = self.config.block_size
+        if req.cache_node is not None and len(req.token_ids) // bs > req.num_cached_blocks:
+            self.kv.cache_full_blocks(req, self._step_id)
+        return True
+
+    def _take_drafts(self, req: Request, drafts: list[int], accepted: int, token: int) -> RequestOutput:
+        """Take a verification's result: the accepted drafts and the token sampled after them; roll the
+        rejected drafts' positions and blocks back."""
+        k = len(drafts)
+        assert 0 <= accepted <= k, f"{accepted} of {k} drafts accepted"
+        self._spec_drafts += 1
+        self._spec_draft_tokens += k
+        self._spec_accepted += accepted
+        per_pos = self._spec_accepted_per_pos
+        for j in range(accepted):
+            per_pos[j] += 1
+        if accepted:
+            req.spec_misses = 0
+        else:
+            req.spec_misses += 1
+            req.spec_resume_step = self._step_id + (1 << min(req.spec_misses, 6))
+        if req.status is RequestStatus.RUNNING:  # a preempted one holds no blocks
+            req.num_computed_tokens -= k - accepted
+            self.kv.roll_back(req)
+        tokens = req.token_ids
+        new_tokens = []
+        reason = common_pb2.FINISH_REASON_UNSPECIFIED
+        for t in (*drafts[:accepted], token):
+            tokens.append(t)
+            new_tokens.append(t)
+            reason = req.check_stop(t)
+            if reason:
+                break
+        if reason:
+            self._finish(req, reason)
+        elif req.cache_node is not None and (
+            min(req.num_computed_tokens, len(tokens)) // self.config.block_size > req.num_cached_blocks
+        ):
+            self.kv.cache_full_blocks(req, self._step_id)
+        return RequestOutput(
+            req.request_id, req.index, new_tokens, None, reason, req.stop_token_id,
+            req.prompt_len, len(tokens) - req.prompt_len, req.num_cached_prompt_tokens,
+        )  # fmt: skip
 
     def _fork_ready_parents(self) -> None:
         for parent in self._to_fork:
@@ -662,6 +784,10 @@ class Scheduler:
             sampled = [req for req in sampled if req not in refused]
         assert len(token_ids) == len(sampled), "sampled tokens do not match the plan"
         offsets = _top_offsets(result) if len(result.sampled_logprobs) else None
+        accepted = result.num_accepted_tokens
+        assert not out.drafts or len(accepted) == len(sampled), "accepted counts do not match the plan"
+        # NOTE: the drafts of this step; a request's own draft_token_ids may be a later step's.
+        drafts_of = dict(out.drafts) if out.drafts else None
         block_size = self.config.block_size
         finished = RequestStatus.FINISHED
         outputs = []
@@ -669,10 +795,16 @@ class Scheduler:
         for i, req in enumerate(sampled):
             req.num_pending_tokens -= 1
             assert req.num_pending_tokens >= 0
+            drafts = drafts_of.get(req) if drafts_of is not None else None
+            if drafts:
+                req.draft_token_ids = []
             if req.status is finished:
                 continue  # sampled in a step already in flight when it finished or was aborted
             try:
                 token = token_ids[i]
+                if drafts:
+                    append(self._take_drafts(req, drafts, accepted[i], token))
+                    continue
                 tokens = req.token_ids
                 tokens.append(token)
                 num_known = len(tokens)
@@ -697,7 +829,7 @@ class Scheduler:
                 )  # fmt: skip
             except Exception as error:
                 self._fail_request(req, "taking its sampled token", error)
-        self._generation_tokens += len(outputs)
+        self._generation_tokens += sum(len(o.new_token_ids) for o in outputs) if out.drafts else len(outputs)
         return outputs
 
     @staticmethod
@@ -744,6 +876,10 @@ class Scheduler:
             generation_tokens=self._generation_tokens,
             requests_finished=dict(self._finished_by_reason),
             num_steps=self._step_id,
+            spec_num_drafts=self._spec_drafts,
+            spec_num_draft_tokens=self._spec_draft_tokens,
+            spec_num_accepted_tokens=self._spec_accepted,
+            spec_num_accepted_tokens_per_pos=list(self._spec_accepted_per_pos),
         )
 
 
@@ -772,8 +908,10 @@ def _num_tokens_to_compute(req: Request) -> int:
     """Tokens a running request would compute now, budget and blocks permitting (as schedule())."""
     if req.pending_forks:
         return req.prompt_len - 1 - req.num_computed_tokens
-    if not req.can_sample() or (req.num_pending_tokens and req.matcher is not None):
-        return 0  # its last samples are in flight (a constrained request waits for its one)
+    if not req.can_sample() or (req.num_pending_tokens and (req.matcher is not None or req.draft_token_ids)):
+        return (
+            0  # its last samples are in flight (a constrained request, or one with drafts, waits for its one)
+        )
     return req.num_tokens - req.num_computed_tokens
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pagedserve.flags import EnvFlags
 from pagedserve.grpc_utils import ServiceTLSFields, add_tls_arguments
+from pagedserve.speculative import SpeculativeConfig, parse_speculative_config
 from pagedserve.validation import Limits
 
 POLICIES = ("fcfs", "priority")
@@ -73,6 +74,8 @@ class SchedulerServiceConfig(ServiceTLSFields):
     structured_output_compile_timeout: float = 10.0
     structured_output_cache_size: int = 256
     structured_output_compile_threads: int = 2
+    # Speculative decoding, vLLM's JSON ({"method": "ngram", "num_speculative_tokens": k, ...}); None: off.
+    speculative_config: str | None = None
     # Logging level, and JSON (True) or console output.
     log_level: str = "info"
     log_json: bool = True
@@ -101,6 +104,11 @@ class SchedulerServiceConfig(ServiceTLSFields):
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must not be negative, not {self.shutdown_timeout}")
         self.tls  # noqa: B018 -- checks the TLS flags go together and the files exist
+        self.speculative  # noqa: B018 -- a bad configuration fails at start, naming the field
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return parse_speculative_config(self.speculative_config)
 
     @property
     def limits(self) -> Limits:
@@ -178,6 +186,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     add("--structured-output-cache-size", int, "compiled structured-output constraints kept", default=256)
     add("--structured-output-compile-threads", int, "constraints compiled at once", default=2)
+    add(
+        "--speculative-config",
+        str,
+        'speculative decoding as vLLM takes it, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
     add_tls_arguments(add, add_bool)
     add("--log-level", str, "debug, info, warning, error", default="info")
     add_bool("--log-json", "JSON log lines (--no-log-json: console)", True)

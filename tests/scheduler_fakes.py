@@ -41,6 +41,20 @@ def sample(seed: int, position: int, context_fingerprint: int, vocab_size: int =
     return hash((seed, position, context_fingerprint, 0x5EED)) % vocab_size
 
 
+def markov_sample(seed: int, tokens: list[int], vocab_size: int = VOCAB_SIZE) -> int:
+    """The token a FakeWorker(markov=True) draws after these tokens: a function of the last one's residue
+    mod 16 alone, so its text soon repeats itself and n-gram drafts are accepted."""
+    return hash((seed, tokens[-1] % 16, 0x5EED)) % vocab_size
+
+
+def expected_markov_tokens(prompt: list[int], seed: int, n: int) -> list[int]:
+    """What FakeWorker(markov=True) samples for a prompt run alone, without drafts."""
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(markov_sample(seed, tokens))
+    return tokens[len(prompt) :]
+
+
 def expected_tokens(prompt: list[int], seed: int, n: int, vocab_size: int = VOCAB_SIZE) -> list[int]:
     """What the fake samples for a prompt run alone: the reference for any schedule."""
     fp = 0
@@ -80,6 +94,9 @@ class FakeWorker:
     the real runner does, such a request fails alone, its slot left out of every plan until freed.
     strict: a slot that attends over the wrong K/V raises at once; else, as a real worker would, it
     goes on with garbage (it writes garbage K/V and samples garbage tokens), for the scheduler to catch.
+    markov: samples follow markov_sample (after a check that the K/V read are right) instead of sample.
+    Draft tokens (speculative decoding) are verified as worker.proto says: written and computed after the
+    known tokens, accepted while each position's sample agrees, the rest rolled back.
     """
 
     def __init__(
@@ -89,7 +106,9 @@ class FakeWorker:
         vocab_size: int = VOCAB_SIZE,
         refuse: Callable[[worker_pb2.NewRequest], str | None] | None = None,
         strict: bool = True,
+        markov: bool = False,
     ) -> None:
+        self.markov = markov
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -138,10 +157,17 @@ class FakeWorker:
             raise PlanError("scheduled arrays differ in length")
         if sum(plan.num_new_blocks) != len(plan.new_block_ids) or len(set(plan.slots)) != n:
             raise PlanError("new blocks do not add up, or a slot is scheduled twice")
+        drafts = _plan_drafts(plan)
+        if any(s not in plan.slots for s in drafts):
+            raise PlanError("drafts for a slot not scheduled")
         for s, k, nb in zip(plan.slots, plan.num_scheduled_tokens, plan.num_new_blocks, strict=True):
             if s not in live or k == 0:
                 raise PlanError(f"slot {s} scheduled but not live, or with no tokens")
             computed, known = info[s]
+            if s in drafts:
+                known += len(drafts[s])
+                if computed + k != known:
+                    raise PlanError(f"slot {s}: drafts but does not sample after them")
             if computed + k > known:
                 raise PlanError(f"slot {s}: {k} tokens scheduled, {known - computed} available")
             if -(-(computed + k) // bs) > table_len[s] + nb:
@@ -189,6 +215,10 @@ class FakeWorker:
         for src, dst in zip(plan.copy_src_blocks, plan.copy_dst_blocks, strict=True):
             self.kv[dst] = list(self.kv[src])
             self.num_copies += 1
+        drafts = _plan_drafts(plan)
+        for s, tokens in drafts.items():
+            self.slots[s].tokens.extend(tokens)
+            self.slots[s].extend_fingerprints()
         # Write every scheduled token's K/V first (one forward pass), then check what each reads.
         for s, k in zip(plan.slots, plan.num_scheduled_tokens, strict=True):
             slot = self.slots[s]
@@ -201,10 +231,15 @@ class FakeWorker:
             slot = self.slots[s]
             slot.num_computed += k
             self._check_attention(s, slot)
-            if slot.num_computed == len(slot.tokens):
+            if s in drafts:
+                self._verify(s, slot, drafts[s], result)
+            elif slot.num_computed == len(slot.tokens):
                 position = len(slot.tokens) - slot.prompt_len
                 context = slot.fingerprints[-1] if not slot.corrupt else ("garbage", slot.fingerprints[-1])
-                token = sample(slot.seed, position, context, self.vocab_size)
+                if self.markov:
+                    token = markov_sample(slot.seed, slot.tokens, self.vocab_size)
+                else:
+                    token = sample(slot.seed, position, context, self.vocab_size)
                 slot.tokens.append(token)
                 slot.extend_fingerprints()
                 result.sampled_slots.append(s)
@@ -215,7 +250,36 @@ class FakeWorker:
                 result.num_top_logprobs.append(k_top)
                 result.top_token_ids.extend((token + j) % self.vocab_size for j in range(k_top))
                 result.top_logprobs.extend(-0.1 * (j + 1) for j in range(k_top))
+        if drafts:  # parallel to sampled_slots: the slots after the last with drafts
+            result.num_accepted_tokens.extend(
+                [0] * (len(result.sampled_slots) - len(result.num_accepted_tokens))
+            )
         return result
+
+    def _verify(self, s: int, slot: _Slot, drafts: list[int], result: worker_pb2.StepResult) -> None:
+        """Sample after the known tokens and after each draft; keep the drafts the samples agree with."""
+        assert self.markov, "drafts are verified by the markov sampler"
+        known = len(slot.tokens) - len(drafts)
+        accepted = 0
+        while (
+            accepted < len(drafts)
+            and markov_sample(slot.seed, slot.tokens[: known + accepted], self.vocab_size) == drafts[accepted]
+        ):
+            accepted += 1
+        token = markov_sample(slot.seed, slot.tokens[: known + accepted], self.vocab_size)
+        del slot.tokens[known + accepted :], slot.fingerprints[known + accepted :]
+        slot.tokens.append(token)
+        slot.extend_fingerprints()
+        slot.num_computed = known + accepted
+        del slot.table[-(-slot.num_computed // self.block_size) :]
+        result.sampled_slots.append(s)
+        result.sampled_token_ids.append(token)
+        result.sampled_logprobs.append(-0.1)
+        result.sampled_ranks.append(1)
+        result.num_top_logprobs.append(0)
+        while len(result.num_accepted_tokens) < len(result.sampled_slots) - 1:
+            result.num_accepted_tokens.append(0)  # the slots before it sampled without drafts
+        result.num_accepted_tokens.append(accepted)
 
     def _check_attention(self, s: int, slot: _Slot) -> None:
         """Every position 0..num_computed-1 reads the fingerprint of the right prefix."""
@@ -229,6 +293,14 @@ class FakeWorker:
                 if self.strict:
                     raise AssertionError(f"slot {s} block {i} (physical {slot.table[i]}) holds the wrong K/V")
                 slot.corrupt = True
+
+
+def _plan_drafts(plan: worker_pb2.StepPlan) -> dict[int, list[int]]:
+    drafts, offset = {}, 0
+    for s, k in zip(plan.draft_slots, plan.num_draft_tokens, strict=True):
+        drafts[s] = list(plan.draft_token_ids[offset : offset + k])
+        offset += k
+    return drafts
 
 
 def _without_slots(plan: worker_pb2.StepPlan, left_out: set[int]) -> worker_pb2.StepPlan:
@@ -268,12 +340,18 @@ class Driver:
     """Scheduler -> PlanBuilder -> FakeWorker, with `lag` results held back (pipelining)."""
 
     def __init__(
-        self, scheduler: Scheduler, lag: int = 0, check=None, refuse=None, strict: bool = True
+        self,
+        scheduler: Scheduler,
+        lag: int = 0,
+        check=None,
+        refuse=None,
+        strict: bool = True,
+        markov: bool = False,
     ) -> None:
         cfg = scheduler.config
         self.scheduler = scheduler
         self.builder = PlanBuilder()
-        self.worker = FakeWorker(cfg.num_blocks, cfg.block_size, refuse=refuse, strict=strict)
+        self.worker = FakeWorker(cfg.num_blocks, cfg.block_size, refuse=refuse, strict=strict, markov=markov)
         # What each request added through add() was, to recompute it as the engine does (see _take_failures).
         self.originals: dict[str, engine_pb2.GenerateTokensRequest] = {}
         self.eos: dict[str, frozenset[int]] = {}
@@ -424,7 +502,11 @@ def check_invariants(scheduler: Scheduler) -> None:
         if req.status is RequestStatus.WAITING:
             assert not req.block_table and req.num_computed_tokens == 0
         assert len(req.block_table) == -(-req.num_computed_tokens // bs), req
-        assert req.num_computed_tokens <= req.num_tokens
+        # Drafts in flight (speculative decoding) are computed past the known and pending tokens.
+        assert req.num_computed_tokens <= req.num_tokens + len(req.draft_token_ids)
+        assert (
+            req.num_output_tokens + req.num_pending_tokens + len(req.draft_token_ids) <= req.max_output_tokens
+        )
         assert req.num_output_tokens + req.num_pending_tokens <= req.max_output_tokens
         for b in req.block_table:
             holders[b] += 1

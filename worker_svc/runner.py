@@ -23,6 +23,7 @@ from pagedserve.worker_svc.cuda_graphs import DecodeGraphs, GraphCapture
 from pagedserve.worker_svc.kv_cache import KVCache
 from pagedserve.worker_svc.model import CausalLM
 from pagedserve.worker_svc.sampler import Sampler, SamplingMetadata, SlotSamplingState, compute_logprobs
+from pagedserve.worker_svc.spec_decode import num_accepted, plan_drafts, position_states, verify_rows
 from pagedserve.worker_svc.step_inputs import SlotArrays, StepInputs, as_tensor
 
 # A plan is input too: the worker checks each new request's sampling as the scheduler did, against the same
@@ -165,17 +166,23 @@ class ModelRunner:
         t1 = t2 = time.perf_counter()
         if batch is None:
             return t1, t2, 0
+        drafts = self._write_drafts(plan)
         inputs = self.arrays.inputs(batch.slots.tolist(), batch.start.tolist(), batch.num_scheduled.tolist())
-        sample_idx, prompt_rows = self._logits_rows(batch)
+        sample_idx, prompt_rows = self._logits_rows(batch, drafts)
         # The model returns the final states of these rows alone; sample rows alone come in order, and all of
-        # them (a decode step) are every row.
+        # them (a decode step) are every row. A slot with drafts samples at each of its drafts' rows too.
+        sample_rows = batch.query_start_loc[1:][sample_idx] - 1
+        if drafts:
+            sample_rows = verify_rows(
+                sample_rows, [len(drafts.get(s, ())) for s in batch.slots[sample_idx].tolist()]
+            )
         output_rows = None
-        if prompt_rows or len(sample_idx) != batch.num_tokens:
-            rows = [batch.query_start_loc[1:][sample_idx] - 1, *(r for _, r in prompt_rows)]
+        if prompt_rows or len(sample_rows) != batch.num_tokens:
+            rows = [sample_rows, *(r for _, r in prompt_rows)]
             output_rows = as_tensor(np.concatenate(rows).astype(np.int64, copy=False), self.device)
         logits, t1, t2 = self._forward(inputs, output_rows, before_forward)
-        self._sample(batch, sample_idx, logits[: len(sample_idx)], result, self._token_masks(plan))
-        self._prompt_logprobs(batch, prompt_rows, logits[len(sample_idx) :], result)
+        self._sample(batch, sample_idx, logits[: len(sample_rows)], result, self._token_masks(plan), drafts)
+        self._prompt_logprobs(batch, prompt_rows, logits[len(sample_rows) :], result)
         return t1, t2, batch.num_tokens
 
     # ---- the steady state: a plain decode step --------------------------------------------------------
@@ -199,6 +206,7 @@ class ModelRunner:
             or plan.replaced_block_ids
             or plan.copy_src_blocks
             or plan.copy_dst_blocks
+            or plan.draft_slots
         ):
             return None
         slots = list(plan.slots)
@@ -363,6 +371,12 @@ class ModelRunner:
                 f"num_new_blocks sum to {sum(plan.num_new_blocks)} but {len(plan.new_block_ids)} new_block_ids"
             )
         check_block_ids(plan.new_block_ids, "new")
+        try:
+            drafts = plan_drafts(plan)
+        except ValueError as error:
+            fail(str(error))
+        if drafts and max(plan.draft_token_ids) >= self.vocab_size:
+            fail(f"draft token id {max(plan.draft_token_ids)} is outside the vocabulary ({self.vocab_size})")
         scheduled: set[int] = set()
         sampling: set[int] = set()
         for slot, n, appended in zip(plan.slots, plan.num_scheduled_tokens, plan.num_new_blocks, strict=True):
@@ -378,6 +392,7 @@ class ModelRunner:
             else:
                 state = self.slots[slot]
                 computed, known = state.num_computed_tokens, state.num_tokens
+            known += len(drafts.get(slot, ()))  # the drafts follow its known tokens
             end = computed + n
             if end > known:
                 fail(f"slot {slot}: {n} tokens scheduled after {computed} computed, but it has only {known}")
@@ -394,6 +409,17 @@ class ModelRunner:
         for slot, req in new.items():
             if slot not in scheduled and req.num_computed_tokens > 0:
                 fail(f"slot {slot}: {req.num_computed_tokens} computed tokens but no block table")
+
+        for slot in drafts:
+            if slot not in sampling:
+                fail(f"slot {slot} has drafts but does not sample after them this step")
+            sp = new[slot].sampling if slot in new else None
+            if (sp is not None and sp.HasField("logprobs")) or (
+                sp is None and self.slots[slot].sampling.logprobs is not None
+            ):
+                fail(f"slot {slot} has drafts and asks for logprobs")
+        if drafts.keys() & set(plan.mask_slots):
+            fail("a slot has both drafts and a token mask")
 
         # 6. token masks: one per constrained slot that samples this step.
         if len(set(plan.mask_slots)) != len(plan.mask_slots):
@@ -504,15 +530,17 @@ class ModelRunner:
         np.add.accumulate(num_scheduled, out=query_start_loc[1:])
         return _Batch(slots, num_scheduled, start, query_start_loc, int(query_start_loc[-1]))
 
-    def _logits_rows(self, b: _Batch) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
-        """Batch indices that sample (their known tokens are all computed after this step), and per
+    def _logits_rows(
+        self, b: _Batch, drafts: dict[int, list[int]]
+    ) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
+        """Batch indices that sample (their known tokens and drafts are all computed after this step), and per
         batch index asking for prompt logprobs, the rows whose logits score a prompt token."""
         sample_idx = []
         prompt_rows = []
         for i, slot in enumerate(b.slots.tolist()):
             state = self.slots[slot]
             end = int(b.start[i] + b.num_scheduled[i])
-            if end == state.num_tokens:
+            if end == state.num_tokens + (len(drafts[slot]) if slot in drafts else 0):
                 sample_idx.append(i)
             if state.sampling.prompt_logprobs is not None:
                 # Row of position q scores token q + 1; prompt tokens 1..prompt_len-1 have a score.
@@ -538,6 +566,7 @@ class ModelRunner:
         logits: torch.Tensor,
         result: worker_pb2.StepResult,
         masks: tuple[list[int], np.ndarray] | None = None,
+        drafts: dict[int, list[int]] | None = None,
     ) -> None:
         # Every scheduled slot's tokens advance, whether it samples or not (a prefill chunk).
         for slot, n in zip(b.slots.tolist(), b.num_scheduled.tolist(), strict=True):
@@ -545,7 +574,10 @@ class ModelRunner:
         if len(sample_idx) == 0:
             return
         slots = b.slots[sample_idx].tolist()
-        self._sample_rows(slots, [self.slots[s] for s in slots], logits, result, masks)
+        if drafts:
+            self._verify_drafts(slots, [self.slots[s] for s in slots], logits, result, masks, drafts)
+        else:
+            self._sample_rows(slots, [self.slots[s] for s in slots], logits, result, masks)
 
     def _sample_rows(
         self,
@@ -558,13 +590,7 @@ class ModelRunner:
         """Sample a token for each of these slots from its row of logits (among the tokens its mask allows,
         when it has one), append it and write the result."""
         meta = SamplingMetadata.build([s.sampling for s in states], self.vocab_size, self.device)
-        if masks is not None:
-            mask_slots, words = masks
-            rows = None
-            if mask_slots != slots:  # NOTE: every row, in order, is the common case and needs no scatter
-                row_of = {slot: row for row, slot in enumerate(slots)}
-                rows = torch.tensor([row_of[slot] for slot in mask_slots], dtype=torch.int64).to(self.device)
-            meta.token_mask = (rows, torch.from_numpy(words.copy()).to(self.device))
+        self._mask_rows(meta, slots, masks)
         out = self.sampler(logits, meta)
         token_ids = self.arrays.append(slots, [state.num_tokens for state in states], out.token_ids)
         for state, token in zip(states, token_ids, strict=True):
@@ -585,6 +611,88 @@ class ModelRunner:
                 result.top_logprobs.extend(top_logprobs[row][:k])
         else:
             result.num_top_logprobs.extend([0] * len(slots))
+
+    def _mask_rows(
+        self, meta: SamplingMetadata, row_slots: list[int], masks: tuple[list[int], np.ndarray] | None
+    ) -> None:
+        """Give meta the token masks of the masked slots, row_slots naming each row's slot."""
+        if masks is None:
+            return
+        mask_slots, words = masks
+        rows = None
+        if mask_slots != row_slots:  # NOTE: every row, in order, is the common case and needs no scatter
+            row_of = {slot: row for row, slot in enumerate(row_slots)}
+            rows = torch.tensor([row_of[slot] for slot in mask_slots], dtype=torch.int64).to(self.device)
+        meta.token_mask = (rows, torch.from_numpy(words.copy()).to(self.device))
+
+    # ---- speculative decoding (worker.proto; spec_decode) --------------------------------------------
+
+    def _write_drafts(self, plan: worker_pb2.StepPlan) -> dict[int, list[int]]:
+        """The plan's drafts by slot, written after each slot's known tokens (where the inputs are read from)."""
+        drafts = plan_drafts(plan)
+        for slot, tokens in drafts.items():
+            n = self.slots[slot].num_tokens
+            self.arrays.reserve(slot, n + len(tokens) + 1, 0)
+            self.arrays.token_ids[slot, n : n + len(tokens)] = tokens
+        return drafts
+
+    def _verify_drafts(
+        self,
+        slots: list[int],
+        states: list[SlotState],
+        logits: torch.Tensor,
+        result: worker_pb2.StepResult,
+        masks: tuple[list[int], np.ndarray] | None,
+        drafts: dict[int, list[int]],
+    ) -> None:
+        """Sample every verified position (logits rows in verify_rows' order), accept each slot's drafts up to the
+        first its samples disagree with, append the accepted drafts and the sample after them, drop the rejected
+        drafts' computed positions and the blocks past the computed tokens, and write the result."""
+        row_states: list[SlotSamplingState] = []
+        row_slots: list[int] = []
+        for slot, state in zip(slots, states, strict=True):
+            slot_drafts = drafts.get(slot, ())
+            row_states.extend(
+                position_states(state.sampling, slot_drafts) if slot_drafts else (state.sampling,)
+            )
+            row_slots.extend([slot] * (len(slot_drafts) + 1))
+        meta = SamplingMetadata.build(row_states, self.vocab_size, self.device)
+        self._mask_rows(meta, row_slots, masks)
+        out = self.sampler(logits, meta)
+        samples = out.token_ids.tolist()
+        final_rows = []
+        row = 0
+        for slot, state in zip(slots, states, strict=True):
+            slot_drafts = drafts.get(slot, ())
+            k = len(slot_drafts)
+            accepted = num_accepted(samples[row : row + k], slot_drafts) if k else 0
+            gained = samples[row : row + accepted + 1]
+            final_rows.append(row + accepted)
+            row += k + 1
+            n = state.num_tokens
+            self.arrays.token_ids[slot, n : n + len(gained)] = gained
+            state.num_tokens += len(gained)
+            for token in gained:
+                state.sampling.append_output(token)
+            if k:
+                state.num_computed_tokens -= k - accepted
+                state.num_blocks = min(state.num_blocks, -(-state.num_computed_tokens // self.block_size))
+            result.sampled_slots.append(slot)
+            result.sampled_token_ids.append(gained[-1])
+            result.num_accepted_tokens.append(accepted)
+        result.num_top_logprobs.extend([0] * len(slots))
+        if meta.any_logprobs:
+            index = torch.tensor(final_rows, dtype=torch.int64, device=out.logprobs.device)
+            result.sampled_logprobs.extend(out.logprobs[index].tolist())
+            result.sampled_ranks.extend(out.ranks[index].tolist())
+            if meta.max_num_logprobs:
+                del result.num_top_logprobs[-len(slots) :]
+                top_ids, top_logprobs = out.top_ids[index].tolist(), out.top_logprobs[index].tolist()
+                for i, state in enumerate(states):
+                    k = state.sampling.logprobs or 0
+                    result.num_top_logprobs.append(k)
+                    result.top_token_ids.extend(top_ids[i][:k])
+                    result.top_logprobs.extend(top_logprobs[i][:k])
 
     def _prompt_logprobs(
         self,
@@ -667,6 +775,20 @@ def _without_slots(plan: worker_pb2.StepPlan, left_out: Iterable[int]) -> worker
     else:
         kept.mask_slots.extend(plan.mask_slots)  # broken: _validate refuses it
         kept.token_masks = plan.token_masks
+    if len(plan.num_draft_tokens) == len(plan.draft_slots) and sum(plan.num_draft_tokens) == len(
+        plan.draft_token_ids
+    ):
+        offset = 0
+        for slot, k in zip(plan.draft_slots, plan.num_draft_tokens, strict=True):
+            if slot not in left_out:
+                kept.draft_slots.append(slot)
+                kept.num_draft_tokens.append(k)
+                kept.draft_token_ids.extend(plan.draft_token_ids[offset : offset + k])
+            offset += k
+    else:  # broken: _validate refuses it
+        kept.draft_slots.extend(plan.draft_slots)
+        kept.num_draft_tokens.extend(plan.num_draft_tokens)
+        kept.draft_token_ids.extend(plan.draft_token_ids)
     return kept
 
 

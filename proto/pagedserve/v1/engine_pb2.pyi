@@ -112,7 +112,7 @@ class WorkerStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., num_blocks_in_use: _Optional[int] = ..., num_cached_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_step_seconds: _Optional[float] = ..., mean_idle_seconds: _Optional[float] = ..., mean_forward_seconds: _Optional[float] = ..., mean_gap_seconds: _Optional[float] = ..., mean_prepare_seconds: _Optional[float] = ..., mean_no_work_seconds: _Optional[float] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "requests_finished", "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds", "queue_time_seconds", "num_blocks_in_use", "workers")
+    __slots__ = ("num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "requests_finished", "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds", "queue_time_seconds", "num_blocks_in_use", "workers", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")
     class RequestsFinishedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,10 @@ class EngineStats(_message.Message):
     QUEUE_TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
     num_requests_running: int
     num_requests_waiting: int
     kv_cache_usage: float
@@ -150,7 +154,11 @@ class EngineStats(_message.Message):
     queue_time_seconds: Histogram
     num_blocks_in_use: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
-    def __init__(self, num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., requests_finished: _Optional[_Mapping[str, int]] = ..., time_to_first_token_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., inter_token_latency_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., e2e_request_latency_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., queue_time_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., num_blocks_in_use: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ...) -> None: ...
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., requests_finished: _Optional[_Mapping[str, int]] = ..., time_to_first_token_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., inter_token_latency_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., e2e_request_latency_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., queue_time_seconds: _Optional[_Union[Histogram, _Mapping]] = ..., num_blocks_in_use: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetEngineInfoRequest(_message.Message):
     __slots__ = ()
