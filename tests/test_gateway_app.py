@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator, Callable
 
 import anyio
@@ -20,6 +21,7 @@ from pagedserve.errors import OverloadedError, PagedServeError, UnavailableError
 from pagedserve.gateway.config import GatewayConfig
 from pagedserve.gateway.generation import ModelInfo
 from pagedserve.gateway.openai_api import create_app
+from pagedserve.gateway.openai_format import LOGPROB_FLOOR
 from pagedserve.gateway.tokenization import Tokenizer
 from pagedserve.v1 import common_pb2, engine_pb2
 
@@ -409,3 +411,64 @@ async def test_health_is_liveness_and_ready_is_readiness(tokenizer):
         c.gateway.draining = True
         assert (await c.get("/health")).status_code == 503
         assert (await c.get("/ready")).status_code == 503
+
+
+async def non_finite_logprobs(request: engine_pb2.GenerateTokensRequest):
+    def entry(logprob: float) -> common_pb2.TokenLogprob:
+        return common_pb2.TokenLogprob(
+            logprob=logprob, top_token_ids=[1000, 7], top_logprobs=[logprob, math.nan]
+        )
+
+    yield engine_pb2.GenerateTokensResponse(
+        request_id=request.request_id, token_ids=[1000], logprobs=[entry(-math.inf)]
+    )
+    yield engine_pb2.GenerateTokensResponse(
+        request_id=request.request_id,
+        token_ids=[1001],
+        logprobs=[entry(math.nan)],
+        finish_reason=common_pb2.FINISH_REASON_LENGTH,
+        usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=2),
+    )
+
+
+def _strict_json(text: str):
+    """JSON as strict parsers (JavaScript's, Go's) read it: no NaN, Infinity or -Infinity."""
+
+    def refuse(constant: str):
+        raise AssertionError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _floats(body) -> list[float]:
+    """Every float in a parsed body (in these responses, the logprobs)."""
+    if isinstance(body, float):
+        return [body]
+    values = body.values() if isinstance(body, dict) else body if isinstance(body, list) else []
+    return [x for v in values for x in _floats(v)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2},
+        ),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 2}),
+    ],
+)
+async def test_infinite_and_nan_logprobs_are_sent_as_json_clients_can_parse(tokenizer, path, body, stream):
+    async with client(tokenizer, ScriptedEngine(non_finite_logprobs)) as c:
+        response = await c.post(path, json={**body, "max_tokens": 2, "stream": stream})
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        parsed = [_strict_json(event) for event in events[:-1]]
+    else:
+        parsed = _strict_json(response.text)
+    values = _floats(parsed)
+    assert values and all(math.isfinite(v) for v in values)
+    assert LOGPROB_FLOOR in values
