@@ -60,6 +60,7 @@ from .protocol import (
     TokenizeRequest,
     parse_request,
 )
+from .reasoning import for_request
 from .responses_api import (
     ResponseFormatter,
     ResponsesRequest,
@@ -217,8 +218,9 @@ def create_app(
         deadline: float | None,
         names: dict[str, str],
         prefix: str,
-    ) -> tuple[GenerationRequest, str | None]:
-        """A chat request checked, rendered and tokenized, and the parser of its tool calls (None: none)."""
+    ) -> tuple[GenerationRequest, str | None, str | None]:
+        """A chat request checked, rendered and tokenized, and the parsers of its tool calls and its
+        reasoning (None: none)."""
         sp = req.sampling_params()
         tool_mode, tools = req.apply_tools(sp, config.tool_call_parser)
         core.check_sampling(sp, names)
@@ -236,16 +238,19 @@ def create_app(
             max_tokens_param=names.get("max_tokens", max_param),
             deadline=deadline,
         )
-        return gen, (None if tool_mode == "none" else config.tool_call_parser)
+        tool_parser = None if tool_mode == "none" else config.tool_call_parser
+        return gen, tool_parser, for_request(config.reasoning_parser, sp.HasField("structured_output"))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         deadline = core.deadline()
         req: ChatCompletionRequest = await parse(ChatCompletionRequest, request, deadline)
         core.check_model(req.model)
-        gen, tool_parser = await chat_generation(request, req, deadline, req.sampling_names(), "chatcmpl")
+        gen, tool_parser, reasoning_parser = await chat_generation(
+            request, req, deadline, req.sampling_names(), "chatcmpl"
+        )
         out = ChatFormatter(
-            tokenizer, model.name, req, gen, tool_parser=tool_parser, reasoning_parser=config.reasoning_parser
+            tokenizer, model.name, req, gen, tool_parser=tool_parser, reasoning_parser=reasoning_parser
         )
         if req.stream:
             return await _sse_response(request, core.generate(gen), out.chunks)
@@ -262,9 +267,11 @@ def create_app(
             if req.previous_response_id is not None:
                 history = responses.get(req.previous_response_id, tenant, "previous_response_id").messages
             chat, conversation = req.to_chat(history)
-            gen, tool_parser = await chat_generation(request, chat, deadline, sampling_names(chat), "resp_")
+            gen, tool_parser, reasoning_parser = await chat_generation(
+                request, chat, deadline, sampling_names(chat), "resp_"
+            )
         out = ResponseFormatter(
-            model.name, req, gen, tool_parser=tool_parser, reasoning_parser=config.reasoning_parser
+            model.name, req, gen, tool_parser=tool_parser, reasoning_parser=reasoning_parser
         )
 
         def keep() -> None:

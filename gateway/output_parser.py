@@ -39,6 +39,11 @@ class StreamingOutputParser:
         self._reasoning = reasoning.StreamingReasoningParser(reasoning_parser) if reasoning_parser else None
         self._tools = StreamingToolParser(tool_parser) if tool_parser else None
 
+    @property
+    def thinking(self) -> bool:
+        """Whether the text so far is reasoning with no answer after it yet."""
+        return self._reasoning is not None and self._reasoning.thinking
+
     def add(self, delta: str) -> tuple[str, str]:
         thought, content = self._reasoning.add(delta) if self._reasoning else ("", delta)
         if self._tools is not None:

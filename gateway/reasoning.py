@@ -32,6 +32,14 @@ class Split:
     content: str | None
 
 
+def for_request(parser: str | None, constrained: bool) -> str | None:
+    """The parser a request's output is split with. A constrained output (a structured output, a forced tool
+    call) is the grammar's from its first token, so a block the template opened in the prompt was left before
+    it began: only an explicit `<think>` in the output opens reasoning there (qwen3's rule), else deepseek_r1
+    would take a whole JSON answer for reasoning."""
+    return "qwen3" if parser is not None and constrained else parser
+
+
 def _partial_tag(text: str, tag: str) -> int:
     """How many characters at the end of text may be the start of tag."""
     for k in range(min(len(text), len(tag) - 1), 0, -1):
@@ -69,10 +77,14 @@ class StreamingReasoningParser:
         self._text = ""
         self._sent_reasoning = 0
         self._sent_content = 0
+        # Whether the text so far is reasoning with no answer after it yet.
+        self.thinking = False
 
     def add(self, delta: str) -> tuple[str, str]:
         self._text += delta
-        return self._emit(split(self.parser, self._text, final=False))
+        now = split(self.parser, self._text, final=False)
+        self.thinking = now.reasoning is not None and now.content is None
+        return self._emit(now)
 
     def finish(self) -> tuple[str, str]:
         """At the end of the choice: the reasoning and content still to send."""

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import ValidationError, field_validator
 
 from pagedserve.errors import InvalidRequestError, NotFoundError, PagedServeError
 
@@ -36,6 +36,9 @@ from .protocol import ChatCompletionRequest, _Request, validation_error
 
 # The stored responses' total size (their JSON), besides their count (--max-stored-responses).
 MAX_STORED_BYTES = 256 * 1024 * 1024
+
+# OpenAI's bounds of `metadata`: pairs, and characters of a key and of a value.
+MAX_METADATA = (16, 64, 512)
 
 # Request parameters of the chat request a Responses request becomes, by the names the client used.
 _PARAM_NAMES = {
@@ -85,6 +88,19 @@ class ResponsesRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        pairs, key_chars, value_chars = MAX_METADATA
+        if value is not None and (
+            len(value) > pairs or any(len(k) > key_chars or len(v) > value_chars for k, v in value.items())
+        ):
+            raise ValueError(
+                f"at most {pairs} pairs, keys of at most {key_chars} characters and values of at most "
+                f"{value_chars}"
+            )
+        return value
 
     def text_format(self) -> dict[str, Any]:
         fmt = (self.text or {}).get("format") or {"type": "text"}
@@ -343,6 +359,8 @@ class ResponseFormatter:
         self.incomplete_details: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
+        # Output tokens that came while the model was reasoning.
+        self.reasoning_tokens = 0
         # The answer's text and calls, as the conversation's assistant message for the store.
         self.content = ""
         self.calls: list[dict[str, Any]] = []
@@ -407,9 +425,11 @@ class ResponseFormatter:
         finish: str | None = None
         async for item in items:
             if isinstance(item, UsageInfo):
-                self.usage = _usage(item)
+                self.usage = _usage(item, self.reasoning_tokens)
                 continue
             thought, content = self._parser.add(item.text)
+            if self._parser.thinking:
+                self.reasoning_tokens += len(item.token_ids)
             for event in self._texts(thought, content):
                 yield event
             if item.finish_reason is not None:
@@ -530,12 +550,12 @@ class ResponseFormatter:
         yield self._event("response.output_item.done", output_index=index, item=item)
 
 
-def _usage(usage: UsageInfo) -> dict[str, Any]:
+def _usage(usage: UsageInfo, reasoning_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": usage.total_tokens,
     }
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pagedserve.gateway.output_parser import StreamingOutputParser, parse_output
-from pagedserve.gateway.reasoning import Split, StreamingReasoningParser, split
+from pagedserve.gateway.reasoning import Split, StreamingReasoningParser, for_request, split
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TEXTS = [
@@ -109,3 +109,13 @@ def test_reasoning_and_calls_streamed_anywhere_match_the_whole_parse(text):
             thought, content = thought + t, content + c
         t, c, calls = stream.finish()
         assert (thought + t, content + c, [(k.name, k.arguments) for k in calls]) == expected, deltas
+
+
+def test_a_constrained_output_has_reasoning_only_where_it_writes_think():
+    answer = '{"city": "Paris"}'
+    assert split(for_request("deepseek_r1", constrained=False), answer) == Split(answer, None)
+    assert split(for_request("deepseek_r1", constrained=True), answer) == Split(None, answer)
+    assert split(for_request("deepseek_r1", constrained=True), "<think>x</think>" + answer) == Split(
+        "x", answer
+    )
+    assert for_request(None, constrained=True) is None

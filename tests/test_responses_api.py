@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import httpx
 import jsonschema
 import openai
@@ -19,6 +20,7 @@ from test_structured_outputs import TIME_TOOL, WEATHER_TOOL
 
 from pagedserve.errors import InvalidRequestError, NotFoundError
 from pagedserve.gateway.responses_api import ResponsesRequest, ResponseStore, input_messages
+from pagedserve.v1 import common_pb2, text_generation_pb2, text_generation_pb2_grpc
 
 QUESTION = "What is the capital of France?"
 # SmolLM2's own system prompt (its template's default): the instructions under which it answers best.
@@ -358,6 +360,8 @@ def test_a_streamed_response_is_stored_and_the_store_is_bounded(served):
         ({"text": {"format": {"type": "yaml"}}}, "text"),
         ({"max_output_tokens": 10**6}, "max_output_tokens"),
         ({"temperature": -1}, "temperature"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"input": ["hi"] * 3000}, "input"),
     ],
 )  # fmt: skip
 def test_bad_input_is_a_400_naming_the_parameter(served, fields, param):
@@ -458,6 +462,7 @@ def test_reasoning_is_a_reasoning_item_in_the_responses_api(served):
     assert reasoning.type == "reasoning" and [c.type for c in reasoning.content] == ["reasoning_text"]
     assert reasoning.content[0].text and "<" not in reasoning.content[0].text
     assert call.type == "function_call" and call.name == "get_weather"
+    assert 0 < response.usage.output_tokens_details.reasoning_tokens < response.usage.output_tokens
     events = _events(served.client.responses.create(stream=True, **kwargs))
     kinds = [e.type for e in events]
     deltas = kinds.count("response.reasoning_text.delta")
@@ -491,6 +496,28 @@ def test_reasoning_is_a_reasoning_item_in_the_responses_api(served):
     assert [item.type for item in answer.output] == ["reasoning", "message"]
     assert answer.output_text and "think>" not in answer.output_text
     assert served.wait_idle().num_blocks_in_use == 0
+
+
+@pytest.mark.slow
+def test_reasoning_over_grpc_comes_split_on_the_last_message(served):
+    tool = text_generation_pb2.Tool(name="get_weather", parameters_json=json.dumps(SCHEMAS["get_weather"]))
+    sampling = common_pb2.SamplingParams(max_tokens=120, temperature=1.0, seed=9)
+    sampling.structured_output.grammar = THINKING_CALL
+    request = text_generation_pb2.GenerateRequest(
+        messages=[text_generation_pb2.ChatMessage(role="user", content="What is the weather in Paris?")],
+        sampling=sampling,
+        tools=[tool],
+    )
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        stub = text_generation_pb2_grpc.TextGenerationServiceStub(channel)
+        messages = list(stub.Generate(request, timeout=120))
+    text, last = "".join(m.text for m in messages), messages[-1]
+    assert text.startswith("<think>")  # the stream is the model's raw text
+    assert last.reasoning and last.reasoning == text[len("<think>") : text.index("</think>")].strip()
+    assert last.finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
+    (call,) = last.tool_calls
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments_json), SCHEMAS["get_weather"])
 
 
 # ---- in-process: the request's conversion and the store ----
