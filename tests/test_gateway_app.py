@@ -338,6 +338,33 @@ async def test_a_stream_past_its_deadline_ends_with_an_error_event_then_done(tok
     assert engine.left_early == [engine.sent[0].request_id]
 
 
+async def test_a_responses_stream_past_its_deadline_ends_with_response_failed(tokenizer):
+    engine = ScriptedEngine(one_token_then_silence)
+    async with client(tokenizer, engine=engine, request_timeout=0.3) as c:
+        response = await c.post("/v1/responses", json={"input": "x", "max_output_tokens": 5, "stream": True})
+        assert response.status_code == 200
+        events = [
+            json.loads(line.removeprefix("data: "))
+            for line in response.text.splitlines()
+            if line.startswith("data: ")
+        ]
+        kinds = [event["type"] for event in events]
+        assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+        assert kinds[-1] == "response.failed" and "[DONE]" not in response.text
+        names = [
+            line.removeprefix("event: ") for line in response.text.splitlines() if line.startswith("event: ")
+        ]
+        assert names == kinds  # each event's SSE name is its type, as OpenAI sends them
+        assert (
+            events[-1]["response"]["status"] == "failed"
+            and events[-1]["response"]["error"]["code"] == "timeout"
+        )
+        assert [event["sequence_number"] for event in events] == list(range(len(events)))
+        # A failed response is not stored.
+        assert (await c.get(f"/v1/responses/{events[0]['response']['id']}")).status_code == 404
+    assert engine.left_early == [engine.sent[0].request_id]
+
+
 async def test_a_stream_whose_first_token_misses_the_deadline_is_504(tokenizer):
     async def silence(request):
         await asyncio.sleep(3600)
