@@ -239,6 +239,17 @@ def test_a_function_call_output_round_trip(served):
         tool_choice="none", max_completion_tokens=24,
     )  # fmt: skip
     assert second.output_text == expected
+    # The same through the store: the first response's call is in its conversation, the answer follows it.
+    chained = served.client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input=[answer],
+        tools=[WEATHER],
+        tool_choice="none",
+        temperature=0,
+        max_output_tokens=24,
+    )
+    assert chained.output_text == expected
 
 
 class City(pydantic.BaseModel):
