@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagedserve.flags import EnvFlags
+from pagedserve.gateway.reasoning import PARSERS as REASONING_PARSERS
 from pagedserve.gateway.tool_calls import PARSERS
 from pagedserve.grpc_utils import ClusterAuth, TLSConfig, add_cluster_token_argument
 from pagedserve.validation import DEFAULT_LIMITS, Limits
@@ -38,6 +39,8 @@ class GatewayConfig:
     log_level: str = "info"  # structlog level
     vllm_metric_aliases: bool = True  # also export every metric under vLLM's `vllm:` names
     tool_call_parser: str = "hermes"  # the format the model writes tool calls in (gateway/tool_calls.py)
+    reasoning_parser: str | None = None  # the format of a thinking model's reasoning (gateway/reasoning.py)
+    max_stored_responses: int = 1024  # Responses API objects kept for previous_response_id (LRU, per replica)
 
     @property
     def tls(self) -> TLSConfig:
@@ -61,6 +64,8 @@ class GatewayConfig:
         config = cls(**vars(args))
         if config.max_body_bytes <= 0:
             parser.error("--max-body-bytes must be positive")
+        if config.max_stored_responses < 0:
+            parser.error("--max-stored-responses must be 0 (store nothing) or positive")
         for flag in ("max_n", "max_prompts", "max_messages"):
             if getattr(config, flag) <= 0:
                 parser.error(f"--{flag.replace('_', '-')} must be positive")
@@ -108,6 +113,18 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "format of the model's tool calls: hermes or llama3_json",
         d.tool_call_parser,
         choices=PARSERS,
+    )
+    add(
+        "--reasoning-parser",
+        str,
+        "format of a thinking model's reasoning, split out before tool calls: deepseek_r1 or qwen3",
+        choices=REASONING_PARSERS,
+    )
+    add(
+        "--max-stored-responses",
+        int,
+        "Responses API objects this gateway keeps for previous_response_id and GET (LRU); 0: none",
+        d.max_stored_responses,
     )
     return parser
 

@@ -68,9 +68,13 @@ def new_request_id(prefix: str, tenant_tag: str = "") -> str:
     a tenant reusing an id, or two tenants choosing the same one, would otherwise share an engine
     request, and an abort sent late for an old request would end the new one. It is logged beside the
     request's id, and echoed where the API says so (gRPC's GenerateResponse.request_id).
+
+    The prefix is OpenAI's (`chatcmpl-`, `cmpl-`); one that ends in "_" (the Responses API's `resp_`)
+    carries its own separator.
     """
     uid = uuid.uuid4().hex
-    return f"{prefix}-{uid}-{tenant_tag}" if tenant_tag else f"{prefix}-{uid}"
+    head = f"{prefix}{uid}" if prefix.endswith("_") else f"{prefix}-{uid}"
+    return f"{head}-{tenant_tag}" if tenant_tag else head
 
 
 @dataclass(slots=True)

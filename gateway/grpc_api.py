@@ -30,8 +30,9 @@ from pagedserve.validation import check_count, check_prompt_len, check_text
 
 from .auth import ApiKeys, combined_salt
 from .generation import ChoiceDelta, GenerationCore, Prompt, UsageInfo, new_request_id
+from .output_parser import ParsedOutput, parse_output
+from .reasoning import for_request
 from .tool_calls import MAX_TOOLS, apply_tools
-from .tool_calls import parse as parse_tool_calls
 
 log = get_logger(__name__)
 
@@ -40,11 +41,17 @@ SERVICE_NAME = text_generation_pb2.DESCRIPTOR.services_by_name["TextGenerationSe
 
 class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServicer):
     def __init__(
-        self, core: GenerationCore, api_keys: ApiKeys | None = None, tool_call_parser: str = "hermes"
+        self,
+        core: GenerationCore,
+        api_keys: ApiKeys | None = None,
+        tool_call_parser: str = "hermes",
+        reasoning_parser: str | None = None,
     ):
         self.core = core
         # The format the model writes its tool calls in (--tool-call-parser).
         self.tool_call_parser = tool_call_parser
+        # The format of a thinking model's reasoning (--reasoning-parser); None: none is split out.
+        self.reasoning_parser = reasoning_parser
         self.tokenizer = core.tokenizer
         self.api_keys = api_keys or ApiKeys(())
         # Set by the server on SIGTERM: new generations are refused (UNAVAILABLE) while it drains.
@@ -78,8 +85,11 @@ class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServi
             tool_mode, tools = self._apply_tools(request, sp)
             self.core.check_sampling(sp)
             prompt = await self._prompt(request, deadline, tools)
-            # Each sequence's text so far, where its calls are parsed from when it ends.
-            texts: dict[int, list[str]] | None = {} if tool_mode != "none" else None
+            # Each sequence's text so far, where its reasoning and calls are parsed from when it ends.
+            constrained = sp.HasField("structured_output")
+            reasoning_parser = for_request(self.reasoning_parser, constrained) if request.messages else None
+            tool_parser = self.tool_call_parser if tool_mode != "none" else None
+            texts: dict[int, list[str]] | None = {} if tool_parser or reasoning_parser else None
             gen = self.core.build(
                 [prompt],
                 sp,
@@ -113,7 +123,8 @@ class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServi
                 if texts is not None:
                     texts.setdefault(item.index, []).append(item.text)
                     if item.finish_reason is not None:
-                        self._add_tool_calls(pending, "".join(texts.pop(item.index)))
+                        parsed = parse_output("".join(texts.pop(item.index)), reasoning_parser, tool_parser)
+                        self._add_parsed(pending, parsed)
                 if first:
                     pending.prompt_token_ids.extend(prompt.token_ids)
                     first = False
@@ -178,9 +189,11 @@ class TextGenerationServicer(text_generation_pb2_grpc.TextGenerationServiceServi
             choice = {"type": "function", "function": {"name": choice}}
         return apply_tools(sp, self.tool_call_parser, tools, choice, request.parallel_tool_calls)
 
-    def _add_tool_calls(self, last: text_generation_pb2.GenerateResponse, text: str) -> None:
-        """The calls a sequence's whole text holds, on its last message, which then ends with TOOL_CALLS."""
-        _, calls = parse_tool_calls(self.tool_call_parser, text)
+    @staticmethod
+    def _add_parsed(last: text_generation_pb2.GenerateResponse, parsed: ParsedOutput) -> None:
+        """A sequence's reasoning and calls on its last message, which ends with TOOL_CALLS when it called."""
+        last.reasoning = parsed.reasoning or ""
+        calls = parsed.calls
         if calls:
             last.tool_calls.extend(
                 text_generation_pb2.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments) for c in calls

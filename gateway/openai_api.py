@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from pagedserve import __version__
 from pagedserve.errors import (
     AuthenticationError,
     InvalidRequestError,
+    NotFoundError,
     PagedServeError,
     PayloadTooLargeError,
     UnavailableError,
@@ -58,6 +59,15 @@ from .protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     parse_request,
+)
+from .reasoning import for_request
+from .responses_api import (
+    ResponseFormatter,
+    ResponsesRequest,
+    ResponseStore,
+    responses_params,
+    responses_sse,
+    sampling_names,
 )
 from .tokenization import Tokenizer
 
@@ -91,6 +101,8 @@ def create_app(
 ) -> FastAPI:
     """The HTTP app. Without an engine (engine=None) only the text endpoints work; the rest answer 503."""
     core = GenerationCore(engine, tokenizer, model, config.limits(), config.request_timeout)
+    # Responses API objects kept for previous_response_id and GET (this replica's own).
+    responses = ResponseStore(config.max_stored_responses)
     state = GatewayState(config, tokenizer, model, core, engine)
     app = FastAPI(title="pagedserve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = state
@@ -200,15 +212,19 @@ def create_app(
             return await _sse_response(request, core.generate(gen), out.chunks)
         return JSONResponse(await _until_disconnect(request, out.collect(core.generate(gen))))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        deadline = core.deadline()
-        req: ChatCompletionRequest = await parse(ChatCompletionRequest, request, deadline)
-        core.check_model(req.model)
+    async def chat_generation(
+        request: Request,
+        req: ChatCompletionRequest,
+        deadline: float | None,
+        names: dict[str, str],
+        prefix: str,
+    ) -> tuple[GenerationRequest, str | None, str | None]:
+        """A chat request checked, rendered and tokenized, and the parsers of its tool calls and its
+        reasoning (None: none)."""
         sp = req.sampling_params()
         tool_mode, tools = req.apply_tools(sp, config.tool_call_parser)
-        core.check_sampling(sp, req.sampling_names())
-        request_id = _request_id(state, request, req, "chatcmpl")
+        core.check_sampling(sp, names)
+        request_id = _request_id(state, request, req, prefix)
         prompt = await core.encode_chat(req.template_messages(), deadline, req.add_generation_prompt, tools)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         gen = _build(
@@ -219,19 +235,73 @@ def create_app(
             sp,
             req,
             param="messages",
-            max_tokens_param=max_param,
+            max_tokens_param=names.get("max_tokens", max_param),
             deadline=deadline,
         )
+        tool_parser = None if tool_mode == "none" else config.tool_call_parser
+        return gen, tool_parser, for_request(config.reasoning_parser, sp.HasField("structured_output"))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        deadline = core.deadline()
+        req: ChatCompletionRequest = await parse(ChatCompletionRequest, request, deadline)
+        core.check_model(req.model)
+        gen, tool_parser, reasoning_parser = await chat_generation(
+            request, req, deadline, req.sampling_names(), "chatcmpl"
+        )
         out = ChatFormatter(
-            tokenizer,
-            model.name,
-            req,
-            gen,
-            tool_parser=None if tool_mode == "none" else config.tool_call_parser,
+            tokenizer, model.name, req, gen, tool_parser=tool_parser, reasoning_parser=reasoning_parser
         )
         if req.stream:
             return await _sse_response(request, core.generate(gen), out.chunks)
         return JSONResponse(await _until_disconnect(request, out.collect(core.generate(gen))))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        deadline = core.deadline()
+        tenant = request.scope.get(TENANT_SCOPE_KEY, "")
+        with responses_params():
+            req: ResponsesRequest = await parse(ResponsesRequest, request, deadline)
+            core.check_model(req.model)
+            history: list[dict] = []
+            if req.previous_response_id is not None:
+                history = responses.get(req.previous_response_id, tenant, "previous_response_id").messages
+            chat, conversation = req.to_chat(history)
+            gen, tool_parser, reasoning_parser = await chat_generation(
+                request, chat, deadline, sampling_names(chat), "resp_"
+            )
+        out = ResponseFormatter(
+            model.name, req, gen, tool_parser=tool_parser, reasoning_parser=reasoning_parser
+        )
+
+        def keep() -> None:
+            if req.store and out.status in ("completed", "incomplete"):
+                responses.put(out.response(), [*conversation, out.assistant_message()], tenant)
+
+        if req.stream:
+
+            async def events(items: AsyncIterator[ChoiceDelta | UsageInfo]) -> AsyncIterator[dict]:
+                async for event in out.events(items):
+                    if event["type"] in ("response.completed", "response.incomplete"):
+                        keep()
+                    yield event
+
+            return await _sse_response(
+                request, core.generate(gen), events, encode=responses_sse, error=out.failed_event, done=None
+            )
+        body = await _until_disconnect(request, out.collect(core.generate(gen)))
+        keep()
+        return JSONResponse(body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> dict:
+        return responses.get(response_id, request.scope.get(TENANT_SCOPE_KEY, "")).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> dict:
+        if not responses.delete(response_id, request.scope.get(TENANT_SCOPE_KEY, "")):
+            raise NotFoundError(f"Response with id '{response_id}' not found.")
+        return {"id": response_id, "object": "response", "deleted": True}
 
     return app
 
@@ -343,7 +413,13 @@ async def _sse_response(
     request: Request,
     items: AsyncIterator[ChoiceDelta | UsageInfo],
     chunks,
+    *,
+    encode: Callable[[Any], str] = _sse_event,
+    error: Callable[[PagedServeError], Any] = openai_error_body,
+    done: str | None = "data: [DONE]\n\n",
 ) -> Response:
+    """The chunks (or events) of items as server-sent events: each through encode, a failure as error's
+    event, then done (chat and completions end with [DONE]; the Responses API with its last event)."""
     # The first item is awaited before the response starts, so an engine that refuses the request
     # (overloaded, no worker) answers with a proper HTTP status instead of an error event.
     try:
@@ -359,10 +435,11 @@ async def _sse_response(
 
         try:
             async for chunk in chunks(chained()):
-                yield _sse_event(chunk)
-        except PagedServeError as error:
-            yield _sse_event(openai_error_body(error))
-        yield "data: [DONE]\n\n"
+                yield encode(chunk)
+        except PagedServeError as failure:
+            yield encode(error(failure))
+        if done is not None:
+            yield done
 
     # NOTE: Starlette cancels this body when the client disconnects; the cancellation runs the
     # generators' finally blocks, which cancel the engine call and abort the request.

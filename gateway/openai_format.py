@@ -8,15 +8,15 @@ than pydantic models.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from .generation import ChoiceDelta, GenerationRequest, UsageInfo
+from .output_parser import StreamingOutputParser, parse_output
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .tokenization import Tokenizer
-from .tool_calls import StreamingToolParser
-from .tool_calls import parse as parse_tool_calls
 
 
 def usage_dict(usage: UsageInfo) -> dict:
@@ -26,6 +26,19 @@ def usage_dict(usage: UsageInfo) -> dict:
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+
+
+# What a log-probability of -inf (or NaN) is sent as: JSON has no infinity, and clients' parsers refuse
+# Python's `-Infinity`; vLLM sends the same floor.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite_logprob(logprob: float) -> float:
+    """A log-probability as JSON can carry it: -inf and NaN become LOGPROB_FLOOR (+inf, never a
+    probability's log, becomes 0)."""
+    if math.isfinite(logprob):
+        return logprob
+    return 0.0 if logprob > 0 else LOGPROB_FLOOR
 
 
 def merge_logprobs(into: dict | None, more: dict) -> dict:
@@ -194,12 +207,12 @@ class CompletionFormatter(_Formatter):
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
                 continue
-            out["token_logprobs"].append(entry.logprob)
+            out["token_logprobs"].append(finite_logprob(entry.logprob))
             top = {
-                self.tok.token_text(t): lp
+                self.tok.token_text(t): finite_logprob(lp)
                 for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=False)
             }
-            top.setdefault(text, entry.logprob)
+            top.setdefault(text, finite_logprob(entry.logprob))
             out["top_logprobs"].append(top)
         return out
 
@@ -218,12 +231,17 @@ class ChatFormatter(_Formatter):
         req: ChatCompletionRequest,
         gen: GenerationRequest,
         tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ):
         super().__init__(tokenizer, model_name, req, gen)
-        # The format tool calls are parsed from (gateway/tool_calls.py); None: the text is all content.
+        # The format tool calls are parsed from (gateway/tool_calls.py); None: no calls are parsed.
         self.tool_parser = tool_parser
-        self._streaming_tools = (
-            [StreamingToolParser(tool_parser) for _ in range(self.num_choices)] if tool_parser else None
+        # The format reasoning is split from (gateway/reasoning.py), before any call; None: no reasoning.
+        self.reasoning_parser = reasoning_parser
+        self._streaming = (
+            [StreamingOutputParser(reasoning_parser, tool_parser) for _ in range(self.num_choices)]
+            if tool_parser or reasoning_parser
+            else None
         )
 
     def choice_part(self, delta: ChoiceDelta) -> tuple[str, dict | None]:
@@ -235,26 +253,28 @@ class ChatFormatter(_Formatter):
             "message": {"role": "assistant", "content": text},
             "logprobs": (logprobs or {"content": []}) if self.req.logprobs else None,
         }
-        if self.tool_parser is not None:
-            content, calls = parse_tool_calls(self.tool_parser, text)
-            if calls:
-                choice["message"] = {
-                    "role": "assistant",
-                    "content": content,
-                    "tool_calls": [call.to_dict() for call in calls],
-                }
+        if self._streaming is not None:
+            parsed = parse_output(text, self.reasoning_parser, self.tool_parser)
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            if self.reasoning_parser is not None:
+                message["reasoning_content"] = parsed.reasoning
+            if parsed.calls:
+                message["tool_calls"] = [call.to_dict() for call in parsed.calls]
                 choice["finish_reason"] = "tool_calls"
+            choice["message"] = message
         return choice
 
     def _chunk_choice(self, delta: ChoiceDelta, text: str, logprobs: dict | None) -> dict:
-        calls = []
-        if self._streaming_tools is not None:
-            parser = self._streaming_tools[delta.index]
-            text = parser.add(text)
+        thought, calls = "", []
+        if self._streaming is not None:
+            parser = self._streaming[delta.index]
+            thought, text = parser.add(text)
             if delta.finish_reason is not None:
-                rest, calls = parser.finish()
-                text += rest
+                more_thought, rest, calls = parser.finish()
+                thought, text = thought + more_thought, text + rest
         message: dict[str, Any] = {"content": text} if text else {}
+        if thought:
+            message["reasoning_content"] = thought
         if calls:
             message["tool_calls"] = [call.to_dict(index=k) for k, call in enumerate(calls)]
         choice: dict[str, Any] = {
@@ -292,12 +312,12 @@ class ChatFormatter(_Formatter):
             content.append(
                 {
                     "token": self.tok.token_text(token_id),
-                    "logprob": entry.logprob,
+                    "logprob": finite_logprob(entry.logprob),
                     "bytes": list(self.tok.token_bytes(token_id)),
                     "top_logprobs": [
                         {
                             "token": self.tok.token_text(t),
-                            "logprob": lp,
+                            "logprob": finite_logprob(lp),
                             "bytes": list(self.tok.token_bytes(t)),
                         }
                         for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=False)

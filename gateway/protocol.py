@@ -400,6 +400,9 @@ def check_sizes(data: dict[str, Any], limits: Limits, max_model_len: int | None 
             len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
         )
         check_count(parts, limits.max_messages, "messages", "content parts")
+    items = data.get("input")  # the Responses API's input items
+    if isinstance(items, list):
+        check_count(len(items), limits.max_messages, "input", "input items")
     for field, limit, what in (
         ("guided_choice", MAX_CHOICES, "choices"),
         ("tools", MAX_TOOLS, "tools"),

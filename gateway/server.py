@@ -101,7 +101,10 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer, model: ModelInfo) -
     freeze_startup_objects()
     grpc_server = None
     servicer = TextGenerationServicer(
-        app.state.gateway.core, ApiKeys(config.all_api_keys()), tool_call_parser=config.tool_call_parser
+        app.state.gateway.core,
+        ApiKeys(config.all_api_keys()),
+        tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser,
     )
     if config.grpc_port:
         grpc_server = public_server(config.max_body_bytes)

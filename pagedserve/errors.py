@@ -51,6 +51,14 @@ class ModelNotFoundError(PagedServeError):
         super().__init__(f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
+class NotFoundError(PagedServeError):
+    """What the request names does not exist (a stored response's id)."""
+
+    http_status = HTTPStatus.NOT_FOUND
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    error_type = "invalid_request_error"
+
+
 class AuthenticationError(PagedServeError):
     http_status = HTTPStatus.UNAUTHORIZED
     grpc_code = grpc.StatusCode.UNAUTHENTICATED

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedserve.gateway.reasoning import PARSERS as REASONING_PARSERS
 from pagedserve.gateway.tool_calls import PARSERS
 from pagedserve.logging import configure_logging, get_logger
 from pagedserve.speculative import parse_speculative_config
@@ -124,6 +125,10 @@ class LaunchConfig:
     tool_call_parser: str | None = None
     # Speculative decoding, vLLM's JSON (the scheduler's --speculative-config); None: off.
     speculative_config: str | None = None
+    # The format of a thinking model's reasoning (the gateway's --reasoning-parser); None: no reasoning parsed.
+    reasoning_parser: str | None = None
+    # Responses API objects the gateway keeps (its --max-stored-responses); None: the gateway's default.
+    max_stored_responses: int | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,6 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=env.get("PAGEDSERVE_LOG_LEVEL", "info"))
     parser.add_argument(
         "--tool-call-parser", choices=PARSERS, default=None, help="format of the model's tool calls (gateway)"
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="format of a thinking model's reasoning: deepseek_r1 or qwen3 (gateway)",
+    )
+    parser.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=None,
+        help="Responses API objects the gateway keeps for previous_response_id (gateway)",
     )
     return parser
 
@@ -476,6 +493,10 @@ def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, sched
         gateway += ["--api-keys", config.api_keys]
     if config.tool_call_parser:
         gateway += ["--tool-call-parser", config.tool_call_parser]
+    if config.reasoning_parser:
+        gateway += ["--reasoning-parser", config.reasoning_parser]
+    if config.max_stored_responses is not None:
+        gateway += ["--max-stored-responses", str(config.max_stored_responses)]
     gateway += ["--shutdown-timeout", str(config.shutdown_timeout), *_tls_args(certs, server=False), *level]
     return scheduler, workers, gateway
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator, Callable
 
 import anyio
@@ -20,6 +21,7 @@ from pagedserve.errors import OverloadedError, PagedServeError, UnavailableError
 from pagedserve.gateway.config import GatewayConfig
 from pagedserve.gateway.generation import ModelInfo
 from pagedserve.gateway.openai_api import create_app
+from pagedserve.gateway.openai_format import LOGPROB_FLOOR
 from pagedserve.gateway.tokenization import Tokenizer
 from pagedserve.v1 import common_pb2, engine_pb2
 
@@ -336,6 +338,33 @@ async def test_a_stream_past_its_deadline_ends_with_an_error_event_then_done(tok
     assert engine.left_early == [engine.sent[0].request_id]
 
 
+async def test_a_responses_stream_past_its_deadline_ends_with_response_failed(tokenizer):
+    engine = ScriptedEngine(one_token_then_silence)
+    async with client(tokenizer, engine=engine, request_timeout=0.3) as c:
+        response = await c.post("/v1/responses", json={"input": "x", "max_output_tokens": 5, "stream": True})
+        assert response.status_code == 200
+        events = [
+            json.loads(line.removeprefix("data: "))
+            for line in response.text.splitlines()
+            if line.startswith("data: ")
+        ]
+        kinds = [event["type"] for event in events]
+        assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+        assert kinds[-1] == "response.failed" and "[DONE]" not in response.text
+        names = [
+            line.removeprefix("event: ") for line in response.text.splitlines() if line.startswith("event: ")
+        ]
+        assert names == kinds  # each event's SSE name is its type, as OpenAI sends them
+        assert (
+            events[-1]["response"]["status"] == "failed"
+            and events[-1]["response"]["error"]["code"] == "timeout"
+        )
+        assert [event["sequence_number"] for event in events] == list(range(len(events)))
+        # A failed response is not stored.
+        assert (await c.get(f"/v1/responses/{events[0]['response']['id']}")).status_code == 404
+    assert engine.left_early == [engine.sent[0].request_id]
+
+
 async def test_a_stream_whose_first_token_misses_the_deadline_is_504(tokenizer):
     async def silence(request):
         await asyncio.sleep(3600)
@@ -409,3 +438,64 @@ async def test_health_is_liveness_and_ready_is_readiness(tokenizer):
         c.gateway.draining = True
         assert (await c.get("/health")).status_code == 503
         assert (await c.get("/ready")).status_code == 503
+
+
+async def non_finite_logprobs(request: engine_pb2.GenerateTokensRequest):
+    def entry(logprob: float) -> common_pb2.TokenLogprob:
+        return common_pb2.TokenLogprob(
+            logprob=logprob, top_token_ids=[1000, 7], top_logprobs=[logprob, math.nan]
+        )
+
+    yield engine_pb2.GenerateTokensResponse(
+        request_id=request.request_id, token_ids=[1000], logprobs=[entry(-math.inf)]
+    )
+    yield engine_pb2.GenerateTokensResponse(
+        request_id=request.request_id,
+        token_ids=[1001],
+        logprobs=[entry(math.nan)],
+        finish_reason=common_pb2.FINISH_REASON_LENGTH,
+        usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=2),
+    )
+
+
+def _strict_json(text: str):
+    """JSON as strict parsers (JavaScript's, Go's) read it: no NaN, Infinity or -Infinity."""
+
+    def refuse(constant: str):
+        raise AssertionError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _floats(body) -> list[float]:
+    """Every float in a parsed body (in these responses, the logprobs)."""
+    if isinstance(body, float):
+        return [body]
+    values = body.values() if isinstance(body, dict) else body if isinstance(body, list) else []
+    return [x for v in values for x in _floats(v)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2},
+        ),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 2}),
+    ],
+)
+async def test_infinite_and_nan_logprobs_are_sent_as_json_clients_can_parse(tokenizer, path, body, stream):
+    async with client(tokenizer, ScriptedEngine(non_finite_logprobs)) as c:
+        response = await c.post(path, json={**body, "max_tokens": 2, "stream": stream})
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        parsed = [_strict_json(event) for event in events[:-1]]
+    else:
+        parsed = _strict_json(response.text)
+    values = _floats(parsed)
+    assert values and all(math.isfinite(v) for v in values)
+    assert LOGPROB_FLOOR in values

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#pagedserve/v1/text_generation.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"o\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xb9\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\"\n\x05tools\x18\t \x03(\x0b\x32\x13.pagedserve.v1.Tool\x12\x13\n\x0btool_choice\x18\n \x01(\t\x12\x1b\n\x13parallel_tool_calls\x18\x0b \x01(\x08\"\xf0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12#\n\x05usage\x18\x08 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\t \x03(\r\x12\x34\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12+\n\ntool_calls\x18\x0b \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\"\x94\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"o\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12 \n\x13skip_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"Q\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x03\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.pagedserve.v1.ModelCard2\xd9\x02\n\x15TextGenerationService\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12Q\n\nListModels\x12 .pagedserve.v1.ListModelsRequest\x1a!.pagedserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#pagedserve/v1/text_generation.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"o\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xb9\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\"\n\x05tools\x18\t \x03(\x0b\x32\x13.pagedserve.v1.Tool\x12\x13\n\x0btool_choice\x18\n \x01(\t\x12\x1b\n\x13parallel_tool_calls\x18\x0b \x01(\x08\"\x83\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12#\n\x05usage\x18\x08 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\t \x03(\r\x12\x34\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12+\n\ntool_calls\x18\x0b \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x11\n\treasoning\x18\x0c \x01(\t\"\x94\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"o\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12 \n\x13skip_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"Q\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x03\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.pagedserve.v1.ModelCard2\xd9\x02\n\x15TextGenerationService\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12Q\n\nListModels\x12 .pagedserve.v1.ListModelsRequest\x1a!.pagedserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,21 +41,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=326
   _globals['_GENERATEREQUEST']._serialized_end=639
   _globals['_GENERATERESPONSE']._serialized_start=642
-  _globals['_GENERATERESPONSE']._serialized_end=1010
-  _globals['_TOKENIZEREQUEST']._serialized_start=1013
-  _globals['_TOKENIZEREQUEST']._serialized_end=1161
-  _globals['_TOKENIZERESPONSE']._serialized_start=1163
-  _globals['_TOKENIZERESPONSE']._serialized_end=1223
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1225
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1336
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1338
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1372
-  _globals['_LISTMODELSREQUEST']._serialized_start=1374
-  _globals['_LISTMODELSREQUEST']._serialized_end=1393
-  _globals['_MODELCARD']._serialized_start=1395
-  _globals['_MODELCARD']._serialized_end=1476
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1478
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1540
-  _globals['_TEXTGENERATIONSERVICE']._serialized_start=1543
-  _globals['_TEXTGENERATIONSERVICE']._serialized_end=1888
+  _globals['_GENERATERESPONSE']._serialized_end=1029
+  _globals['_TOKENIZEREQUEST']._serialized_start=1032
+  _globals['_TOKENIZEREQUEST']._serialized_end=1180
+  _globals['_TOKENIZERESPONSE']._serialized_start=1182
+  _globals['_TOKENIZERESPONSE']._serialized_end=1242
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1244
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1355
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1357
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1391
+  _globals['_LISTMODELSREQUEST']._serialized_start=1393
+  _globals['_LISTMODELSREQUEST']._serialized_end=1412
+  _globals['_MODELCARD']._serialized_start=1414
+  _globals['_MODELCARD']._serialized_end=1495
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1497
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1559
+  _globals['_TEXTGENERATIONSERVICE']._serialized_start=1562
+  _globals['_TEXTGENERATIONSERVICE']._serialized_end=1907
 # @@protoc_insertion_point(module_scope)
