@@ -53,7 +53,7 @@ test-fast: install
 # AVX-512 without BF16 and its own; PAGEDSERVE_CPU_MARCH): the bodies the instruction sets share must pass
 # on each. Not part of `make test`: every build takes minutes.
 ISA_MARCHES ?= haswell icelake-server native
-ISA_TESTS ?= tests/test_kernels_cpu.py tests/test_model.py tests/test_worker_parity.py tests/test_worker_runner.py
+ISA_TESTS ?= tests/test_kernels_cpu.py tests/test_batch_invariance.py tests/test_model.py tests/test_worker_parity.py tests/test_worker_runner.py
 test-isa: install
 	@for march in $(ISA_MARCHES); do \
 		echo "== kernels built with -march=$$march"; \

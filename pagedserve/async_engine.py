@@ -29,7 +29,7 @@ from typing import Any
 from pagedserve.engine_core import EngineConfig, EngineCore, Prompt, TrackedRequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
-from pagedserve.worker_svc.config import DEFAULT_GPU_MEMORY_UTILIZATION, parse_bytes
+from pagedserve.worker_svc.config import DEFAULT_DETERMINISTIC, DEFAULT_GPU_MEMORY_UTILIZATION, parse_bytes
 
 __all__ = ["AsyncEngineArgs", "AsyncLLM", "AsyncLLMEngine", "EngineDeadError", "ModelConfig"]
 
@@ -75,6 +75,8 @@ class AsyncEngineArgs:
     # On CUDA: the share of the device the engine may hold; its KV pool takes what the weights and a step's
     # activations leave of it, unless kv_cache_memory or num_gpu_blocks_override sizes the pool.
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    # Batch-invariant kernels (see EngineConfig.deterministic).
+    deterministic: bool = DEFAULT_DETERMINISTIC
 
     def engine_config(self) -> EngineConfig:
         kv_cache_memory = self.kv_cache_memory
@@ -93,6 +95,7 @@ class AsyncEngineArgs:
             threads=self.threads,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager,
+            deterministic=self.deterministic,
         )
 
     def __post_init__(self) -> None:

@@ -40,7 +40,7 @@ from pagedserve.service_main import freeze_startup_objects
 from pagedserve.v1 import common_pb2
 from pagedserve.validation import check_max_tokens, check_prompt
 from pagedserve.worker_svc.assembly import assemble
-from pagedserve.worker_svc.config import DEFAULT_GPU_MEMORY_UTILIZATION
+from pagedserve.worker_svc.config import DEFAULT_DETERMINISTIC, DEFAULT_GPU_MEMORY_UTILIZATION
 
 # Step budget when the caller gives none (the server's default too).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -111,6 +111,8 @@ class EngineConfig:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     # On CUDA: run every step eagerly, without CUDA graphs.
     enforce_eager: bool = False
+    # Batch-invariant kernels: a request's tokens do not depend on the rest of the batch (see kernels.ops.Ops).
+    deterministic: bool = DEFAULT_DETERMINISTIC
 
 
 class EngineCore:
@@ -135,6 +137,7 @@ class EngineCore:
             gpu_memory_utilization=config.gpu_memory_utilization,
             enforce_eager=config.enforce_eager,
             max_cudagraph_capture_size=config.max_num_seqs,
+            deterministic=config.deterministic,
         )
         self.model_dir = worker.model_dir
         self.model_name = worker.info.model

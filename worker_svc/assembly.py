@@ -17,6 +17,7 @@ from pagedserve.logging import get_logger
 from pagedserve.model_files import GenerationInfo, load_generation_info, model_name, resolve_model
 from pagedserve.v1 import worker_pb2
 from pagedserve.worker_svc.config import (
+    DEFAULT_DETERMINISTIC,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE,
     WorkerConfig,
@@ -75,6 +76,7 @@ def assemble(
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     enforce_eager: bool = False,
     max_cudagraph_capture_size: int = DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE,
+    deterministic: bool = DEFAULT_DETERMINISTIC,
 ) -> LoadedWorker:
     """Load the model (a folder, a .gguf file, None for the default), size and allocate the KV pool (num_blocks,
     else from kv_cache_memory bytes, else the device's default budget), build the runner (its sampler's
@@ -83,12 +85,21 @@ def assemble(
     alone (the offline engine; a server's scheduler refuses such requests itself). On CUDA without either
     size, the pool takes what gpu_memory_utilization of the device leaves after the weights and a step's
     activations. On CUDA kernels, plain decode steps of up to max_cudagraph_capture_size sequences are
-    captured as CUDA graphs unless enforce_eager."""
+    captured as CUDA graphs unless enforce_eager. deterministic: the kernels batch-invariant (Ops.batch_invariant)."""
     model_dir = resolve_model(model)
     torch_device = resolve_device(device)
     torch_dtype = parse_dtype(dtype, torch_device)
     mc = read_model_config(model_dir)
-    check_kernel_shapes(get_ops(torch_device), mc.head_dim, block_size, torch_dtype)
+    ops = get_ops(torch_device)
+    check_kernel_shapes(ops, mc.head_dim, block_size, torch_dtype)
+    ops.batch_invariant = deterministic
+    if deterministic and ops.name != "cpu":
+        log.warning(
+            "deterministic_partly",
+            kernels=ops.name,
+            note="only the CPU kernels are batch-invariant through the whole forward pass; PyTorch's linear "
+            "layers are not",
+        )
     loaded = load_model(model_dir, torch_dtype, torch_device)
     generation = load_generation_info(model_dir)
     spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, block_size, torch_dtype)
@@ -151,6 +162,7 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         gpu_memory_utilization=config.gpu_memory_utilization,
         enforce_eager=config.enforce_eager,
         max_cudagraph_capture_size=config.max_cudagraph_capture_size,
+        deterministic=config.deterministic,
     )
     log.info(
         "kv_cache_allocated",
@@ -159,5 +171,6 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         kv_cache_bytes=worker.kv_cache.num_bytes,
         max_model_len=worker.info.max_model_len,
         threads=torch.get_num_threads(),
+        deterministic=config.deterministic,
     )
     return worker
