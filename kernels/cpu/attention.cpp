@@ -40,8 +40,8 @@ AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Te
   // On AVX-512 the tiled kernel takes head sizes of whole registers. Batch-invariant, every row goes through
   // the row kernel, as a decode row does, and none is left to the caller (see attention.h).
   const bool invariant = batch_invariant();
-  const bool can_tile = !invariant && kHasTiles && group <= kTileLanes &&
-                        k_cache.size(3) % (vec::kLanes == 16 ? 16 : 1) == 0;
+  const bool can_tile =
+      !invariant && kHasTiles && group <= kTileLanes && k_cache.size(3) % (vec::kLanes == 16 ? 16 : 1) == 0;
   if (invariant) max_pairs = -1;
   if (min_tile_lanes < 0) min_tile_lanes = kTileMinLanes;
   AttentionPlan plan;

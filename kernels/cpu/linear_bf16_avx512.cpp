@@ -152,7 +152,7 @@ constexpr int kTwoStreamRows = 8;
 template <int S, bool kL2, bool kOneChain, int... R>
 constexpr auto make_streams_table(std::integer_sequence<int, R...>) {
   return std::array<StreamsFn, sizeof...(R)>{
-      &block_kernel_streams<S, R + 1, kOneChain ? 1 : (8 + S * (R + 1) - 1) / (S * (R + 1)), kL2>...};
+      &block_kernel_streams < S, R + 1, kOneChain ? 1 : (8 + S * (R + 1) - 1) / (S * (R + 1)), kL2 > ...};
 }
 template <int S, int kRows, bool kOneChain>
 constexpr auto make_streams_tables() {
@@ -209,13 +209,12 @@ void linear_bf16dot(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::B
     const auto bias_of = [&](int64_t b) { return bias_block(bias, b, cols_of(b)); };
     if (m <= kTwoStreamRows) {
       const int l2 = reads_ahead_into_l2() ? 1 : 0, one_chain = batch_invariant() ? 1 : 0;
-      const StreamsFn step =
-          streams == 4 ? kStreams4[one_chain][l2][m - 1] : kStreams2[one_chain][l2][m - 1];
+      const StreamsFn step = streams == 4 ? kStreams4[one_chain][l2][m - 1] : kStreams2[one_chain][l2][m - 1];
       runs.work(t, [&](int r, int64_t u, int64_t) {
         int64_t first, part;
         if (!runs.parts_of(r, u, first, part)) {
-          kKernelTables[one_chain][m - 1](w + first * pairs * 2 * kBlock, x, ldx, pairs, bias_of(first), y + first * kBlock,
-                          ldy, cols_of(first));
+          kKernelTables[one_chain][m - 1](w + first * pairs * 2 * kBlock, x, ldx, pairs, bias_of(first),
+                                          y + first * kBlock, ldy, cols_of(first));
           return;
         }
         __m512 biases[4];
