@@ -11,7 +11,7 @@ NODE_STAMP := $(NODE_EXAMPLE)/node_modules/.installed
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast test-isa lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels bench-soak bench-structured gpu-check gpu-wheels clean
+.PHONY: install serve test test-fast test-isa lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels bench-soak bench-structured bench-deterministic gpu-check gpu-wheels clean
 
 install: $(STAMP) $(NODE_STAMP)
 
@@ -100,6 +100,11 @@ bench-prefix: install
 # plain one, at batch 1 and 32.
 bench-structured: install
 	$(BIN)/python bench/bench_structured.py
+
+# The cost of --deterministic: bench-compare's workload and bench_worker's decode steps with the kernels'
+# batch invariance off and on, taking turns. make bench-deterministic BENCH_ARGS="--rounds 5"
+bench-deterministic: install
+	$(BIN)/python bench/bench_deterministic.py $(BENCH_ARGS)
 
 # At least 30 minutes of mixed traffic (aborts, n > 1, many cache salts) against `pagedserve serve`:
 # every process's resident memory and the KV usage over time. make bench-soak BENCH_ARGS="--minutes 30"
