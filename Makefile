@@ -11,7 +11,7 @@ NODE_STAMP := $(NODE_EXAMPLE)/node_modules/.installed
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast test-isa lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels bench-soak bench-structured bench-tp bench-spec gpu-check gpu-wheels clean
+.PHONY: install serve test test-fast test-isa lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels bench-soak bench-structured bench-tp bench-spec bench-deterministic gpu-check gpu-wheels clean
 
 install: $(STAMP) $(NODE_STAMP)
 
@@ -53,7 +53,7 @@ test-fast: install
 # AVX-512 without BF16 and its own; PAGEDSERVE_CPU_MARCH): the bodies the instruction sets share must pass
 # on each. Not part of `make test`: every build takes minutes.
 ISA_MARCHES ?= haswell icelake-server native
-ISA_TESTS ?= tests/test_kernels_cpu.py tests/test_model.py tests/test_worker_parity.py tests/test_worker_runner.py
+ISA_TESTS ?= tests/test_kernels_cpu.py tests/test_batch_invariance.py tests/test_model.py tests/test_worker_parity.py tests/test_worker_runner.py
 test-isa: install
 	@for march in $(ISA_MARCHES); do \
 		echo "== kernels built with -march=$$march"; \
@@ -108,6 +108,11 @@ bench-tp: install
 # n-gram speculative decoding against plain decoding: a copying stream, random text, 32 concurrent requests.
 bench-spec: install
 	$(BIN)/python bench/bench_spec.py
+
+# The cost of --deterministic: bench-compare's workload and bench_worker's decode steps with the kernels'
+# batch invariance off and on, taking turns. make bench-deterministic BENCH_ARGS="--rounds 5"
+bench-deterministic: install
+	$(BIN)/python bench/bench_deterministic.py $(BENCH_ARGS)
 
 # At least 30 minutes of mixed traffic (aborts, n > 1, many cache salts) against `pagedserve serve`:
 # every process's resident memory and the KV usage over time. make bench-soak BENCH_ARGS="--minutes 30"

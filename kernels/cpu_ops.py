@@ -155,6 +155,15 @@ class CpuOps(ReferenceOps):
         self.linear = CpuLinear(extension, dtypes) if dtypes else None
         self.decoder_stack = self._decoder_stack if dtypes else None
 
+    @property
+    def batch_invariant(self) -> bool:
+        return self._extension.batch_invariant()
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        # Process-wide, as the kernels' other switches: every caller of the extension sees it.
+        self._extension.set_batch_invariant(on)
+
     def paged_decode_attention(
         self,
         query: torch.Tensor,

@@ -610,11 +610,20 @@ class CudaOps(ReferenceOps):
         gmax = group_tile(group)
         n_sub = math.ceil(group / gmax)
         num_ctas = batch * num_kv_heads * n_sub
-        if num_splits is None:
-            num_splits = choose_num_splits(num_ctas, max_blocks, block_size, self.launcher.num_sms(device))
-        num_splits = max(1, min(num_splits, max_blocks))
-        blocks_per_split = math.ceil(max_blocks / num_splits)
-        num_splits = math.ceil(max_blocks / blocks_per_split)
+        if num_splits is None and self.batch_invariant:
+            # Splits of a fixed size from position 0, whatever the batch (the heuristic's count follows the
+            # batch and the block tables' width); always merged, so that a short context's bits are the
+            # same whether the batch beside it is split or not (an empty split weighs nothing).
+            blocks_per_split = max(1, MIN_SPLIT_TOKENS // block_size)
+            num_splits = max(2, math.ceil(max_blocks / blocks_per_split))
+        else:
+            if num_splits is None:
+                num_splits = choose_num_splits(
+                    num_ctas, max_blocks, block_size, self.launcher.num_sms(device)
+                )
+            num_splits = max(1, min(num_splits, max_blocks))
+            blocks_per_split = math.ceil(max_blocks / num_splits)
+            num_splits = math.ceil(max_blocks / blocks_per_split)
 
         out = torch.empty_like(query)
         if num_splits > 1:

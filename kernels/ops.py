@@ -115,6 +115,10 @@ class Ops(Protocol):
     name: str  # "reference", "cpu" or "cuda": which backend, for logs
     linear: LinearKernels | None  # the backend's own linear layer, or None: PyTorch's
     decoder_stack: DecoderStackFactory | None  # all layers in one call (needs `linear`), or None
+    # Batch invariance, set by the worker (--deterministic): every row's result has the same bits whatever
+    # the rest of its step and the thread count (docs/kernels.md, "Batch invariance"). False: the kernels
+    # choose by the batch. Only the CPU kernels guarantee it for a whole forward pass.
+    batch_invariant: bool
 
     def write_kv(
         self,

@@ -36,6 +36,8 @@ class ReferenceOps:
     name = "reference"
     linear: LinearKernels | None = None  # the model's linear layers are PyTorch's
     decoder_stack: DecoderStackFactory | None = None
+    # NOTE: PyTorch's matmuls and SDPA choose their blocking by the shape: setting it changes nothing here.
+    batch_invariant: bool = False
 
     def write_kv(
         self,

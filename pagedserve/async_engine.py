@@ -29,7 +29,7 @@ from typing import Any
 from pagedserve.engine_core import EngineConfig, EngineCore, Prompt, TrackedRequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
-from pagedserve.worker_svc.config import DEFAULT_GPU_MEMORY_UTILIZATION, parse_bytes
+from pagedserve.worker_svc.config import DEFAULT_DETERMINISTIC, DEFAULT_GPU_MEMORY_UTILIZATION, parse_bytes
 
 __all__ = ["AsyncEngineArgs", "AsyncLLM", "AsyncLLMEngine", "EngineDeadError", "ModelConfig"]
 
@@ -77,6 +77,8 @@ class AsyncEngineArgs:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     # Speculative decoding, vLLM's dict ({"method": "ngram", "num_speculative_tokens": k, ...}); None: off.
     speculative_config: dict | str | None = None
+    # Batch-invariant kernels (see EngineConfig.deterministic).
+    deterministic: bool = DEFAULT_DETERMINISTIC
 
     def engine_config(self) -> EngineConfig:
         kv_cache_memory = self.kv_cache_memory
@@ -97,6 +99,7 @@ class AsyncEngineArgs:
             enforce_eager=self.enforce_eager,
             tensor_parallel_size=self.tensor_parallel_size,
             speculative_config=self.speculative_config,
+            deterministic=self.deterministic,
         )
 
     def __post_init__(self) -> None:

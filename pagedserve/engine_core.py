@@ -41,7 +41,7 @@ from pagedserve.speculative import SpeculativeConfig, parse_speculative_config
 from pagedserve.v1 import common_pb2
 from pagedserve.validation import check_max_tokens, check_prompt
 from pagedserve.worker_svc.assembly import assemble
-from pagedserve.worker_svc.config import DEFAULT_GPU_MEMORY_UTILIZATION
+from pagedserve.worker_svc.config import DEFAULT_DETERMINISTIC, DEFAULT_GPU_MEMORY_UTILIZATION
 
 # Step budget when the caller gives none (the server's default too).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -117,6 +117,8 @@ class EngineConfig:
     # Speculative decoding in vLLM's shape ({"method": "ngram", "num_speculative_tokens": k, ...}, as a dict,
     # JSON text or SpeculativeConfig); None: off. Checked here, before the model loads.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # Batch-invariant kernels: a request's tokens do not depend on the rest of the batch (see kernels.ops.Ops).
+    deterministic: bool = DEFAULT_DETERMINISTIC
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
@@ -146,6 +148,7 @@ class EngineCore:
             max_cudagraph_capture_size=config.max_num_seqs,
             tensor_parallel_size=config.tensor_parallel_size,
             threads=config.threads,
+            deterministic=config.deterministic,
         )
         self.worker = worker
         self.model_dir = worker.model_dir

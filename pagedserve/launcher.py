@@ -44,7 +44,7 @@ from pagedserve.gateway.reasoning import PARSERS as REASONING_PARSERS
 from pagedserve.gateway.tool_calls import PARSERS
 from pagedserve.logging import configure_logging, get_logger
 from pagedserve.speculative import parse_speculative_config
-from pagedserve.worker_svc.config import DEFAULT_GPU_MEMORY_UTILIZATION
+from pagedserve.worker_svc.config import DEFAULT_DETERMINISTIC, DEFAULT_GPU_MEMORY_UTILIZATION
 
 if TYPE_CHECKING:
     from pagedserve.grpc_utils import ClusterAuth
@@ -92,6 +92,7 @@ class LaunchConfig:
     num_blocks: int | None
     gpu_memory_utilization: float
     threads: int | None
+    deterministic: bool
     # Passed through to the gateway (None: no authentication); api_keys: more keys, one per tenant.
     api_key: str | None
     api_keys: str | None
@@ -160,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads per worker (default: the cores shared out)"
+    )
+    parser.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_DETERMINISTIC,
+        help="batch-invariant worker kernels: a request's tokens do not depend on the rest of the batch, on "
+        "chunking or on a recompute after a worker failure",
     )
     parser.add_argument("--api-key", default=env.get("PAGEDSERVE_API_KEY"), help="required bearer token")
     parser.add_argument(
@@ -474,6 +482,7 @@ def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, sched
         worker += ["--scheduler", engine_address, "--worker-id", f"worker-{i}", "--dtype", config.dtype]
         worker += ["--device", device, "--block-size", str(config.block_size), *level]
         worker += _tls_args(certs, server=True)
+        worker += ["--deterministic" if config.deterministic else "--no-deterministic"]
         for flag, value in [
             ("--gpu-memory-utilization", utilization),
             ("--kv-cache-memory", config.kv_cache_memory),

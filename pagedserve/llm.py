@@ -31,7 +31,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any):
         """engine_args: EngineConfig's fields (dtype, block_size, max_num_seqs, max_model_len,
         max_num_batched_tokens, enable_prefix_caching, kv_cache_memory, num_blocks, seed, device, threads,
-        gpu_memory_utilization, enforce_eager, tensor_parallel_size, speculative_config)."""
+        gpu_memory_utilization, enforce_eager, tensor_parallel_size, speculative_config, deterministic)."""
         self.core = core = EngineCore(EngineConfig(model, **engine_args))
         self.model_dir, self.model_name, self.tokenizer = core.model_dir, core.model_name, core.tokenizer
         self.model, self.kv_cache, self.runner = core.model, core.kv_cache, core.runner

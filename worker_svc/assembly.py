@@ -18,6 +18,7 @@ from pagedserve.logging import get_logger
 from pagedserve.model_files import GenerationInfo, load_generation_info, model_name, resolve_model
 from pagedserve.v1 import worker_pb2
 from pagedserve.worker_svc.config import (
+    DEFAULT_DETERMINISTIC,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE,
     WorkerConfig,
@@ -105,6 +106,7 @@ def load_shard(
     num_blocks: int | None,
     kv_cache_memory: int | None,
     gpu_memory_utilization: float,
+    deterministic: bool = DEFAULT_DETERMINISTIC,
     group: ParallelGroup | None = None,
 ) -> Shard:
     """Load the model (a tensor-parallel rank: its shard) and allocate its KV pool: num_blocks, else from
@@ -114,7 +116,16 @@ def load_shard(
     torch_device = resolve_device(device) if group is None else group.device
     torch_dtype = parse_dtype(dtype, torch_device)
     mc = read_model_config(model_dir)
-    check_kernel_shapes(get_ops(torch_device), mc.head_dim, block_size, torch_dtype)
+    ops = get_ops(torch_device)
+    check_kernel_shapes(ops, mc.head_dim, block_size, torch_dtype)
+    ops.batch_invariant = deterministic
+    if deterministic and ops.name != "cpu":
+        log.warning(
+            "deterministic_partly",
+            kernels=ops.name,
+            note="only the CPU kernels are batch-invariant through the whole forward pass; PyTorch's linear "
+            "layers are not",
+        )
     local = mc if group is None else shard_config(mc, group.size)
     loaded = load_model(model_dir, torch_dtype, torch_device, group=group)
     spec = KVCacheSpec(mc.num_layers, local.num_kv_heads, mc.head_dim, block_size, torch_dtype)
@@ -148,6 +159,7 @@ def assemble(
     threads: int | None = None,
     on_rank_death: Callable[[int, int], None] | None = None,
     log_level: str = "info",
+    deterministic: bool = DEFAULT_DETERMINISTIC,
 ) -> LoadedWorker:
     """Load the model (a folder, a .gguf file, None for the default), size and allocate the KV pool (num_blocks,
     else from kv_cache_memory bytes, else the device's default budget), build the runner (its sampler's
@@ -156,7 +168,8 @@ def assemble(
     alone (the offline engine; a server's scheduler refuses such requests itself). On CUDA without either
     size, the pool takes what gpu_memory_utilization of the device leaves after the weights and a step's
     activations. On CUDA kernels, plain decode steps of up to max_cudagraph_capture_size sequences are
-    captured as CUDA graphs unless enforce_eager.
+    captured as CUDA graphs unless enforce_eager. deterministic: the kernels batch-invariant
+    (Ops.batch_invariant), on every rank.
 
     tensor_parallel_size > 1: this process becomes rank 0 of a group (see parallel.py); it starts the other
     ranks, each with `threads` torch threads (default: the cores shared out), and calls on_rank_death(rank,
@@ -168,6 +181,7 @@ def assemble(
         "num_blocks": num_blocks,
         "kv_cache_memory": kv_cache_memory,
         "gpu_memory_utilization": gpu_memory_utilization,
+        "deterministic": deterministic,
     }
     group = ranks = None
     if tensor_parallel_size != 1:
@@ -252,6 +266,7 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         threads=config.threads,
         on_rank_death=exit_on_rank_death,
         log_level=config.log_level,
+        deterministic=config.deterministic,
     )
     log.info(
         "kv_cache_allocated",
@@ -260,5 +275,6 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         kv_cache_bytes=worker.kv_cache.num_bytes,
         max_model_len=worker.info.max_model_len,
         threads=torch.get_num_threads(),
+        deterministic=config.deterministic,
     )
     return worker

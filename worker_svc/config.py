@@ -21,6 +21,10 @@ from pagedserve.grpc_utils import ServiceTLSFields, add_tls_arguments
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # On CUDA: decode batches up to this many sequences replay captured CUDA graphs.
 DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE = 256
+# Batch-invariant kernels (--deterministic; vLLM's VLLM_BATCH_INVARIANT): a request's tokens are the same
+# whatever runs beside it, however its prompt is chunked and after a recompute. Its cost and why it is the
+# default or not: docs/performance.md, "Deterministic decoding".
+DEFAULT_DETERMINISTIC = False
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -79,6 +83,8 @@ class WorkerConfig(ServiceTLSFields):
     # max_cudagraph_capture_size sequences replay graphs captured at start (see cuda_graphs).
     enforce_eager: bool = False
     max_cudagraph_capture_size: int = DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE
+    # Batch-invariant kernels: every row's K, V and logits independent of its step (see kernels.ops.Ops).
+    deterministic: bool = DEFAULT_DETERMINISTIC
     # Longest sequence in tokens; None: the model's own context length.
     max_model_len: int | None = None
     # torch intra-op threads for the forward pass (each rank's); None: torch's default (one per core), the
@@ -203,6 +209,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         default=DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE,
     )
     add("--max-model-len", int, "longest sequence in tokens (default: the model's)")
+    flags.add_bool(
+        "--deterministic",
+        "batch-invariant kernels: a request's tokens do not depend on what runs beside it, on how its prompt "
+        "is chunked or on a recompute after preemption or a failover (CPU kernels; see docs/kernels.md)",
+        DEFAULT_DETERMINISTIC,
+    )
     # NOTE: two threads win when the cores are free; when other processes share them, OpenMP's threads wait
     # on each other and one thread is steadier (docs/performance.md: several workers on one machine, and
     # "Measurements behind the code").

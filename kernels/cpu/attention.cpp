@@ -37,9 +37,12 @@ AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Te
   const int64_t max_ctx = block_tables.size(1) * k_cache.size(1);
   const int64_t threads = std::max(1, at::get_num_threads());
   const int64_t group = num_heads / k_cache.size(2);
-  // On AVX-512 the tiled kernel takes head sizes of whole registers.
+  // On AVX-512 the tiled kernel takes head sizes of whole registers. Batch-invariant, every row goes through
+  // the row kernel, as a decode row does, and none is left to the caller (see attention.h).
+  const bool invariant = batch_invariant();
   const bool can_tile =
-      kHasTiles && group <= kTileLanes && k_cache.size(3) % (vec::kLanes == 16 ? 16 : 1) == 0;
+      !invariant && kHasTiles && group <= kTileLanes && k_cache.size(3) % (vec::kLanes == 16 ? 16 : 1) == 0;
+  if (invariant) max_pairs = -1;
   if (min_tile_lanes < 0) min_tile_lanes = kTileMinLanes;
   AttentionPlan plan;
   plan.chunks.reserve(num_tokens);

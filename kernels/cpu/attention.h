@@ -15,6 +15,12 @@
 
 namespace pagedserve::cpu {
 
+// Batch invariance (common.h batch_invariant): every query row, a prompt's too, goes through the row kernel,
+// which reduces each row over its positions alone, in position order and in the same passes whatever the
+// rows beside it; a context longer than kInvariantPartTokens is split into parts of that many positions
+// (from position 0), each row's parts merged in order, whatever the batch and the thread count.
+constexpr int64_t kInvariantPartTokens = 512;
+
 // Consecutive query rows of one sequence (positions pos0 .. pos0 + len - 1, query rows row0 ..), computed
 // together by the row kernel so that every K and V block is read once for all of them.
 struct RowChunk {

@@ -43,7 +43,14 @@ constexpr size_t kKeptScores = 64 * 1024;
 // splitting the kv heads instead leaves threads idle (3 heads on 2 threads run 2 against 1).
 constexpr int64_t kMinPartBlocks = 8;
 
-inline int64_t context_parts(int64_t used_blocks, int64_t num_chunks, int64_t threads) {
+// Batch-invariant, parts of a fixed size instead: the part size in blocks (kInvariantPartTokens, whole
+// blocks), each part's first block a multiple of it.
+inline int64_t invariant_part_blocks(int64_t block_size) {
+  return std::max<int64_t>(1, kInvariantPartTokens / block_size);
+}
+
+inline int64_t context_parts(int64_t used_blocks, int64_t num_chunks, int64_t threads, int64_t part_blocks) {
+  if (part_blocks > 0) return (used_blocks + part_blocks - 1) / part_blocks;
   if (num_chunks >= threads) return 1;
   return std::max<int64_t>(1,
                            std::min(used_blocks / kMinPartBlocks, (threads + num_chunks - 1) / num_chunks));
@@ -275,16 +282,20 @@ void row_attention(const AttentionArgs<T>& a, const std::vector<RowChunk>& chunk
   std::vector<RowTask> parts;
   std::vector<int64_t> merges;
   int64_t partial_floats = 0;
+  const int64_t part_blocks = batch_invariant() ? invariant_part_blocks(a.block_size) : 0;
   const bool any_split = std::any_of(chunks.begin(), chunks.end(), [&](const RowChunk& c) {
-    return context_parts(used_blocks(c), num_chunks, threads) > 1;
+    return context_parts(used_blocks(c), num_chunks, threads, part_blocks) > 1;
   });
   for (int64_t k = 0; k < num_chunks && any_split; ++k) {
     const RowChunk& c = chunks[k];
-    const int64_t blocks = used_blocks(c), n = context_parts(blocks, num_chunks, threads);
+    const int64_t blocks = used_blocks(c), n = context_parts(blocks, num_chunks, threads, part_blocks);
+    // Part p's first block: a fixed multiple of part_blocks, or an even share of the context.
+    const auto part_begin = [&](int64_t p) {
+      return p == n ? blocks : part_blocks > 0 ? p * part_blocks : blocks * p / n;
+    };
     if (n > 1) merges.push_back(static_cast<int64_t>(parts.size()));
     for (int64_t p = 0; p < n; ++p) {
-      parts.push_back(
-          {k, 0, a.num_kv_heads, blocks * p / n, blocks * (p + 1) / n, n > 1 ? partial_floats : -1});
+      parts.push_back({k, 0, a.num_kv_heads, part_begin(p), part_begin(p + 1), n > 1 ? partial_floats : -1});
       if (n > 1) partial_floats += c.len * num_heads * (a.head_dim + 2);
     }
   }

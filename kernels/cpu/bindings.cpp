@@ -42,6 +42,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "set_amx_enabled", &ps::set_amx_enabled, py::arg("enabled"),
       "Lets the bf16 linear take AMX or keeps it on AVX-512 (for benchmarks and tests); returns the setting "
       "before");
+  m.def(
+      "set_batch_invariant", &ps::set_batch_invariant, py::arg("on"),
+      "Makes every row's result independent of the rest of its batch and of the thread count (one "
+      "reduction order whatever the rows, fixed attention splits), or lets the kernels choose by the batch; "
+      "returns the setting before");
+  m.def("batch_invariant", &ps::batch_invariant, "Whether the kernels are batch-invariant now");
   m.def("onednn_min_rows", &ps::onednn_min_rows, py::arg("f32"),
         "Rows from which the linear of bf16 (float32 where f32) hands the product to oneDNN, -1 never");
   m.def(

@@ -58,6 +58,13 @@ bool reads_ahead_into_l2() {
 
 bool prefetches_into_l2() { return reads_ahead_into_l2(); }
 
+namespace {
+std::atomic<bool> invariant_switch{false};
+}  // namespace
+
+bool batch_invariant() { return invariant_switch.load(std::memory_order_relaxed); }
+bool set_batch_invariant(bool on) { return invariant_switch.exchange(on); }
+
 std::string instruction_set() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   return "avx512-bf16-amx";

@@ -1,5 +1,5 @@
 // What the kernels of every topic share: the KV cache's layouts, the dtypes they take, rows widened to
-// float32 and their dot product, and the switch for AMX.
+// float32 and their dot product, and the switches for AMX and for batch invariance.
 
 #pragma once
 
@@ -59,5 +59,12 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // Whether the kernels may take AMX tiles now: a build with AMX, Linux's permission for the tile state (asked
 // once per process), and the switch (ops.h set_amx_enabled) on.
 bool amx_enabled();
+
+// Whether the kernels are batch-invariant now (ops.h set_batch_invariant): every row's result has the same
+// bits whatever else its call computes (how many rows, prompt or decode rows, where a prompt's chunks
+// begin) and however many threads compute it, so that a prompt token's K, V and logits are those a decode
+// step would give it. A body chosen by the number of rows must then sum in the order of every other body
+// of its op (see linear.h and attention.h for how each op keeps to one order).
+bool batch_invariant();
 
 }  // namespace pagedserve::cpu

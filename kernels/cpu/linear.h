@@ -10,6 +10,12 @@
 // Products are summed in float32 in k order (pairs of k at a time with vdpbf16ps and tdpbf16ps) and rounded
 // once to the output's dtype, the bias added before that rounding.
 //
+// Batch invariance (common.h batch_invariant): a row's bits may not depend on how many rows came with it, so
+// the body that computes a weight is chosen by the weight alone, and every body keeps one chain of sums a row
+// in k order whatever the rows: AMX for every row count where it takes the weight (its pair products round
+// in an order of their own), else AVX-512 BF16 with one chain a row (no interleaved sets of sums for few
+// rows), the widening and float32 bodies as they always are; never oneDNN, which blocks K by the shape.
+//
 // Layout: W is packed into blocks of 16 output columns (N padded to a multiple of 16). bf16: inside a block
 // K is walked in pairs, and pair p of the block's 16 columns is one 64-byte line [n0 k2p, n0 k2p+1, n1 k2p,
 // ...] ([N / 16, K / 2, 16, 2], K padded to a multiple of 2): vdpbf16ps multiplies a line by one pair of x

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "block_runs.h"
+#include "common.h"
 #include "linear.h"
 #include "prefetch.h"
 
@@ -76,17 +77,21 @@ using BlockFn = void (*)(const c10::BFloat16*, const c10::BFloat16*, int64_t, in
                          int64_t, __mmask16);
 
 // About eight independent chains of sums in flight: vdpbf16ps has a latency of several cycles and the
-// loop issues about one per cycle.
-template <int ROWS>
+// loop issues about one per cycle. Batch-invariant, one chain a row whatever the rows (kOneChain): the
+// order of 8 rows and more, and of the widening linear (see linear.h).
+template <int ROWS, bool kOneChain>
 constexpr int unroll() {
-  return ROWS >= 8 ? 1 : (8 + ROWS - 1) / ROWS;
+  return ROWS >= 8 || kOneChain ? 1 : (8 + ROWS - 1) / ROWS;
 }
 
-template <int... R>
+template <bool kOneChain, int... R>
 constexpr auto make_table(std::integer_sequence<int, R...>) {
-  return std::array<BlockFn, sizeof...(R)>{&block_kernel<R + 1, unroll<R + 1>()>...};
+  return std::array<BlockFn, sizeof...(R)>{&block_kernel<R + 1, unroll<R + 1, kOneChain>()>...};
 }
-constexpr auto kKernels = make_table(std::make_integer_sequence<int, kMaxRows>{});
+// Indexed by batch_invariant(), then by rows - 1.
+constexpr std::array kKernelTables = {make_table<false>(std::make_integer_sequence<int, kMaxRows>{}),
+                                      make_table<true>(std::make_integer_sequence<int, kMaxRows>{})};
+constexpr const auto& kKernels = kKernelTables[0];
 
 // block_kernel for S blocks at once, `step` blocks apart in W and in y: S streams from memory. A core reads
 // faster from several sequential streams than from one, which counts where rows are few and the weights'
@@ -143,19 +148,22 @@ using StreamsFn = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, 
 // rows are bound by the dot products rather than by memory.
 constexpr int kFourStreamRows = 4;
 constexpr int kTwoStreamRows = 8;
-// About eight independent chains of sums per step, as unroll() for block_kernel.
-template <int S, bool kL2, int... R>
+// About eight independent chains of sums per step, as unroll() for block_kernel (one, kOneChain).
+template <int S, bool kL2, bool kOneChain, int... R>
 constexpr auto make_streams_table(std::integer_sequence<int, R...>) {
   return std::array<StreamsFn, sizeof...(R)>{
-      &block_kernel_streams<S, R + 1, (8 + S * (R + 1) - 1) / (S * (R + 1)), kL2>...};
+      &block_kernel_streams < S, R + 1, kOneChain ? 1 : (8 + S * (R + 1) - 1) / (S * (R + 1)), kL2 > ...};
 }
-// Indexed by reads_ahead_into_l2(), then by rows - 1.
-constexpr std::array kStreams4 = {
-    make_streams_table<4, false>(std::make_integer_sequence<int, kFourStreamRows>{}),
-    make_streams_table<4, true>(std::make_integer_sequence<int, kFourStreamRows>{})};
-constexpr std::array kStreams2 = {
-    make_streams_table<2, false>(std::make_integer_sequence<int, kTwoStreamRows>{}),
-    make_streams_table<2, true>(std::make_integer_sequence<int, kTwoStreamRows>{})};
+template <int S, int kRows, bool kOneChain>
+constexpr auto make_streams_tables() {
+  return std::array{make_streams_table<S, false, kOneChain>(std::make_integer_sequence<int, kRows>{}),
+                    make_streams_table<S, true, kOneChain>(std::make_integer_sequence<int, kRows>{})};
+}
+// Indexed by batch_invariant(), by reads_ahead_into_l2(), then by rows - 1.
+constexpr std::array kStreams4 = {make_streams_tables<4, kFourStreamRows, false>(),
+                                  make_streams_tables<4, kFourStreamRows, true>()};
+constexpr std::array kStreams2 = {make_streams_tables<2, kTwoStreamRows, false>(),
+                                  make_streams_tables<2, kTwoStreamRows, true>()};
 
 // m rows are computed in chunks of at most kMaxRows rows, as even as possible, and the chunks in groups of
 // kGroupChunks: a thread runs all its blocks over one group's rows, then the next group's, so that a
@@ -200,13 +208,13 @@ void linear_bf16dot(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::B
     const auto cols_of = [&](int64_t b) { return block_cols(n, b); };
     const auto bias_of = [&](int64_t b) { return bias_block(bias, b, cols_of(b)); };
     if (m <= kTwoStreamRows) {
-      const int l2 = reads_ahead_into_l2() ? 1 : 0;
-      const StreamsFn step = streams == 4 ? kStreams4[l2][m - 1] : kStreams2[l2][m - 1];
+      const int l2 = reads_ahead_into_l2() ? 1 : 0, one_chain = batch_invariant() ? 1 : 0;
+      const StreamsFn step = streams == 4 ? kStreams4[one_chain][l2][m - 1] : kStreams2[one_chain][l2][m - 1];
       runs.work(t, [&](int r, int64_t u, int64_t) {
         int64_t first, part;
         if (!runs.parts_of(r, u, first, part)) {
-          kKernels[m - 1](w + first * pairs * 2 * kBlock, x, ldx, pairs, bias_of(first), y + first * kBlock,
-                          ldy, cols_of(first));
+          kKernelTables[one_chain][m - 1](w + first * pairs * 2 * kBlock, x, ldx, pairs, bias_of(first),
+                                          y + first * kBlock, ldy, cols_of(first));
           return;
         }
         __m512 biases[4];

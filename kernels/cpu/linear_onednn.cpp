@@ -82,6 +82,8 @@ int64_t onednn_min_rows(bool f32) {
 int64_t set_onednn_min_rows(bool f32, int64_t rows) { return (f32 ? f32_rows : bf16_rows).exchange(rows); }
 
 bool use_onednn(int64_t m, bool f32) {
+  // oneDNN blocks K as suits the rows: a row's sums would depend on how many came with it.
+  if (batch_invariant()) return false;
   const int64_t rows = onednn_min_rows(f32);
   return rows >= 0 && m >= rows;
 }

@@ -42,6 +42,10 @@ bool prefetches_into_l2();
 std::string instruction_set();
 bool has_amx();
 bool set_amx_enabled(bool enabled);
+// Makes the kernels batch-invariant (see common.h batch_invariant) or lets them choose by the batch;
+// returns the setting before.
+bool set_batch_invariant(bool on);
+bool batch_invariant();
 // Rows from which the linear of bf16 (f32: float32) goes to oneDNN, -1 never; and its setting (-1 never, -2
 // the build's choice), which returns the setting before.
 int64_t onednn_min_rows(bool f32);
