@@ -85,6 +85,8 @@ class EngineConfig:
     model: str | None = None
     # "auto", "float32", "bfloat16" or "float16" (weights and KV cache).
     dtype: str = "auto"
+    # Quantized checkpoints: "auto" keeps the weights quantized, "none" dequantizes them (worker --quantization).
+    quantization: str = "auto"
     # Tokens per KV block.
     block_size: int = 16
     # Most sequences computed in one step.
@@ -123,6 +125,7 @@ class EngineCore:
         worker = assemble(
             config.model,
             dtype=config.dtype,
+            quantization=config.quantization,
             device=config.device,
             block_size=config.block_size,
             num_blocks=config.num_blocks,

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from pagedserve.gateway.tool_calls import PARSERS
 from pagedserve.logging import configure_logging, get_logger
-from pagedserve.worker_svc.config import DEFAULT_GPU_MEMORY_UTILIZATION
+from pagedserve.worker_svc.config import DEFAULT_GPU_MEMORY_UTILIZATION, QUANTIZATION_CHOICES
 
 if TYPE_CHECKING:
     from pagedserve.grpc_utils import ClusterAuth
@@ -83,6 +83,7 @@ class LaunchConfig:
     workers: int
     # Passed through to the workers.
     dtype: str
+    quantization: str
     device: str
     kv_cache_memory: str | None
     num_blocks: int | None
@@ -133,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grpc-port", type=int, default=50051, help="gateway public gRPC port")
     parser.add_argument("--workers", type=int, default=1, help="worker processes")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATION_CHOICES,
+        help="quantized checkpoints: auto (kept quantized) or none (dequantized)",
+    )
     parser.add_argument("--device", default="auto", help="worker torch device")
     parser.add_argument("--kv-cache-memory", default=None, help="KV pool budget per worker, e.g. 2GiB")
     parser.add_argument("--num-blocks", type=int, default=None, help="exact KV blocks per worker")
@@ -435,6 +442,7 @@ def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, sched
     for i, (device, utilization) in enumerate(placement):
         worker = ["worker", "--model", model_dir, "--host", LOOPBACK, "--port", "0"]
         worker += ["--scheduler", engine_address, "--worker-id", f"worker-{i}", "--dtype", config.dtype]
+        worker += ["--quantization", config.quantization]
         worker += ["--device", device, "--block-size", str(config.block_size), *level]
         worker += _tls_args(certs, server=True)
         for flag, value in [

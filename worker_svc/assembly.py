@@ -65,6 +65,7 @@ def assemble(
     model: str | None = None,
     *,
     dtype: str = "auto",
+    quantization: str = "auto",
     device: str = "auto",
     block_size: int = 16,
     num_blocks: int | None = None,
@@ -89,7 +90,7 @@ def assemble(
     torch_dtype = parse_dtype(dtype, torch_device)
     mc = read_model_config(model_dir)
     check_kernel_shapes(get_ops(torch_device), mc.head_dim, block_size, torch_dtype)
-    loaded = load_model(model_dir, torch_dtype, torch_device)
+    loaded = load_model(model_dir, torch_dtype, torch_device, quantization=quantization)
     generation = load_generation_info(model_dir)
     spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, block_size, torch_dtype)
     activations = mc.activation_bytes(STEP_TOKENS, torch.empty(0, dtype=torch_dtype).element_size())
@@ -143,6 +144,7 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
     worker = assemble(
         config.model,
         dtype=config.dtype,
+        quantization=config.quantization,
         device=config.device,
         block_size=config.block_size,
         num_blocks=config.num_blocks,
