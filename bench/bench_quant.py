@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -88,33 +89,43 @@ class Decoder:
 
 
 class LlamaCpp:
-    """llama.cpp decoding one token at a time after `context` tokens, from the same GGUF file."""
+    """llama.cpp decoding one token at a time after `context` tokens, from the same GGUF file, in a process of
+    its own (loaded beside torch and the kernels' OpenMP, llama.cpp crashes)."""
 
     def __init__(self, path: Path, threads: int, context: int, steps: int) -> None:
-        from llama_cpp import Llama
-
-        self.llm = Llama(
-            model_path=str(path),
-            n_threads=threads,
-            n_threads_batch=threads,
-            n_ctx=context + steps + 16,
-            n_batch=512,
-            verbose=False,
-        )
-        self.context, self.steps = context, steps
+        self.args = [str(path), str(threads), str(context), str(steps)]
 
     def tokens_per_second(self) -> float:
-        g = torch.Generator().manual_seed(0)
-        self.llm.reset()
-        self.llm.eval(torch.randint(0, 1000, (self.context,), generator=g).tolist())
-        times = []
-        token = 1
-        for _ in range(self.steps):
-            t = time.perf_counter()
-            self.llm.eval([token])
-            times.append(time.perf_counter() - t)
-            token = int(torch.randint(0, 1000, (1,), generator=g))
-        return 1 / statistics.median(times[2:])
+        out = subprocess.run(
+            [sys.executable, __file__, "--llama-cpp-child", *self.args],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        return float(out.stdout.split()[-1])
+
+
+def llama_cpp_child(path: str, threads: int, context: int, steps: int) -> float:
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=path,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_ctx=context + steps + 16,
+        n_batch=512,
+        verbose=False,
+    )
+    g = torch.Generator().manual_seed(0)
+    llm.eval(torch.randint(0, 1000, (context,), generator=g).tolist())
+    times = []
+    token = 1
+    for _ in range(steps):
+        t = time.perf_counter()
+        llm.eval([token])
+        times.append(time.perf_counter() - t)
+        token = int(torch.randint(0, 1000, (1,), generator=g))
+    return 1 / statistics.median(times[2:])
 
 
 def llama_cpp_version() -> str | None:
@@ -126,6 +137,11 @@ def llama_cpp_version() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--llama-cpp-child"]:
+        path, threads, context, steps = argv[1:5]
+        print(llama_cpp_child(path, int(threads), int(context), int(steps)))
+        return 0
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -162,7 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     version = llama_cpp_version()
     if version is not None:
-        variants["llama.cpp, 1 seq"] = LlamaCpp(gguf_path, threads, args.context, args.steps)
+        llama = LlamaCpp(gguf_path, threads, args.context, args.steps)
+        try:
+            llama.tokens_per_second()
+            variants["llama.cpp, 1 seq"] = llama
+        except subprocess.CalledProcessError as error:
+            print(
+                f"llama-cpp-python {version} failed to decode (exit {error.returncode}): no llama.cpp column"
+            )
     else:
         print("llama-cpp-python is not installed: no llama.cpp column (pip install llama-cpp-python)")
 
