@@ -11,7 +11,7 @@ NODE_STAMP := $(NODE_EXAMPLE)/node_modules/.installed
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast test-isa lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels bench-soak bench-structured bench-tp bench-spec bench-deterministic gpu-check gpu-wheels clean
+.PHONY: install serve test test-fast test-isa lint format proto bench bench-scheduler bench-worker bench-compare bench-memory bench-prefix bench-kernels bench-quant bench-soak bench-structured bench-tp bench-spec bench-deterministic gpu-check gpu-wheels clean
 
 install: $(STAMP) $(NODE_STAMP)
 
@@ -121,6 +121,11 @@ bench-soak: install
 
 bench-kernels: install
 	$(BIN)/python bench/bench_kernels.py
+
+# The default model's Q4_1 GGUF kept quantized against its bf16 path, llama.cpp (where llama-cpp-python is
+# installed) and the floor of reading its weights once a token; batch 32; sequences in a memory budget.
+bench-quant: install
+	$(BIN)/python bench/bench_quant.py
 
 # One script for a machine with a CUDA GPU: builds, tests, benchmarks; writes its tables to bench/results
 # and docs/gpu-check.json.

@@ -132,6 +132,8 @@ class CpuLinear:
         self.dtypes = dtypes
         self.pack_linear_weight = extension.pack_linear_weight
         self.linear = extension.linear
+        # int4 and int8 weights (kernels/quant.py), float32 or bf16 x; None where the build lacks it
+        self.linear_quant = extension.linear_quant if extension.has_linear_quant() else None
 
 
 class CpuOps(ReferenceOps):

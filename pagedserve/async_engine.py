@@ -46,6 +46,8 @@ class AsyncEngineArgs:
     tokenizer: str | None = None
     # "auto", "float32", "bfloat16" or "float16" (weights and KV cache).
     dtype: str = "auto"
+    # Quantized checkpoints: "auto" keeps the weights quantized, "none" dequantizes them.
+    quantization: str = "auto"
     # torch device ("cpu", "cuda", "cuda:1"); "auto": cuda when available, else cpu.
     device: str = "auto"
     # Longest sequence in tokens, prompt plus output; None: the model's own.
@@ -85,6 +87,7 @@ class AsyncEngineArgs:
         return EngineConfig(
             model=self.model,
             dtype=self.dtype,
+            quantization=self.quantization,
             block_size=self.block_size,
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,

@@ -86,6 +86,9 @@ class EngineConfig:
     model: str | None = None
     # "auto", "float32", "bfloat16" or "float16" (weights and KV cache).
     dtype: str = "auto"
+    # Quantized checkpoints (worker --quantization): "auto" keeps GPTQ and AWQ weights quantized, "gguf" a GGUF's,
+    # "none" dequantizes them.
+    quantization: str = "auto"
     # Tokens per KV block.
     block_size: int = 16
     # Most sequences computed in one step.
@@ -134,6 +137,7 @@ class EngineCore:
         worker = assemble(
             config.model,
             dtype=config.dtype,
+            quantization=config.quantization,
             device=config.device,
             block_size=config.block_size,
             num_blocks=config.num_blocks,

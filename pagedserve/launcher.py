@@ -44,7 +44,11 @@ from pagedserve.gateway.reasoning import PARSERS as REASONING_PARSERS
 from pagedserve.gateway.tool_calls import PARSERS
 from pagedserve.logging import configure_logging, get_logger
 from pagedserve.speculative import parse_speculative_config
-from pagedserve.worker_svc.config import DEFAULT_DETERMINISTIC, DEFAULT_GPU_MEMORY_UTILIZATION
+from pagedserve.worker_svc.config import (
+    DEFAULT_DETERMINISTIC,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    QUANTIZATION_CHOICES,
+)
 
 if TYPE_CHECKING:
     from pagedserve.grpc_utils import ClusterAuth
@@ -87,6 +91,7 @@ class LaunchConfig:
     tensor_parallel_size: int
     # Passed through to the workers.
     dtype: str
+    quantization: str
     device: str
     kv_cache_memory: str | None
     num_blocks: int | None
@@ -150,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="ranks each worker shards the model over (one GPU each on CUDA; CPU processes with gloo)",
     )
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATION_CHOICES,
+        help="quantized checkpoints: auto (GPTQ and AWQ kept quantized, a GGUF dequantized), gguf (a GGUF kept quantized), none (dequantized)",
+    )
     parser.add_argument("--device", default="auto", help="worker torch device")
     parser.add_argument("--kv-cache-memory", default=None, help="KV pool budget per worker, e.g. 2GiB")
     parser.add_argument("--num-blocks", type=int, default=None, help="exact KV blocks per worker")
@@ -480,6 +491,7 @@ def _child_args(config: LaunchConfig, model_dir: str, engine_address: str, sched
     for i, (device, utilization) in enumerate(placement):
         worker = ["worker", "--model", model_dir, "--host", LOOPBACK, "--port", "0"]
         worker += ["--scheduler", engine_address, "--worker-id", f"worker-{i}", "--dtype", config.dtype]
+        worker += ["--quantization", config.quantization]
         worker += ["--device", device, "--block-size", str(config.block_size), *level]
         worker += _tls_args(certs, server=True)
         worker += ["--deterministic" if config.deterministic else "--no-deterministic"]

@@ -535,18 +535,23 @@ def _greedy(model: CausalLM, prompts: list[list[int]], steps: int, block_size: i
     return [t[n:].tolist() for t, n in zip(tokens, lens, strict=True)]
 
 
-@pytest.mark.slow
-def test_default_model_greedy_decode_equals_transformers_generate(default_model_dir):
-    tokenizer = load_tokenizer(default_model_dir)
+def default_model_prompts(tokenizer) -> list[list[int]]:
+    """A chat question the default model answers "The capital of France is Paris.", and a plain text."""
     chat = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True,
         tokenize=False,
     )
-    prompts = [
+    return [
         tokenizer(chat, add_special_tokens=False)["input_ids"],
         tokenizer("The three primary colors are", add_special_tokens=False)["input_ids"],
     ]
+
+
+@pytest.mark.slow
+def test_default_model_greedy_decode_equals_transformers_generate(default_model_dir):
+    tokenizer = load_tokenizer(default_model_dir)
+    prompts = default_model_prompts(tokenizer)
     steps = 12
     ours = _greedy(load_model(default_model_dir, torch.float32, "cpu"), prompts, steps)
 

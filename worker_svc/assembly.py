@@ -107,6 +107,7 @@ def load_shard(
     kv_cache_memory: int | None,
     gpu_memory_utilization: float,
     deterministic: bool = DEFAULT_DETERMINISTIC,
+    quantization: str = "auto",
     group: ParallelGroup | None = None,
 ) -> Shard:
     """Load the model (a tensor-parallel rank: its shard) and allocate its KV pool: num_blocks, else from
@@ -127,7 +128,7 @@ def load_shard(
             "layers are not",
         )
     local = mc if group is None else shard_config(mc, group.size)
-    loaded = load_model(model_dir, torch_dtype, torch_device, group=group)
+    loaded = load_model(model_dir, torch_dtype, torch_device, group=group, quantization=quantization)
     spec = KVCacheSpec(mc.num_layers, local.num_kv_heads, mc.head_dim, block_size, torch_dtype)
     activations = local.activation_bytes(STEP_TOKENS, torch.empty(0, dtype=torch_dtype).element_size())
     if group is not None and kv_cache_memory is not None:
@@ -145,6 +146,7 @@ def assemble(
     model: str | None = None,
     *,
     dtype: str = "auto",
+    quantization: str = "auto",
     device: str = "auto",
     block_size: int = 16,
     num_blocks: int | None = None,
@@ -169,7 +171,7 @@ def assemble(
     size, the pool takes what gpu_memory_utilization of the device leaves after the weights and a step's
     activations. On CUDA kernels, plain decode steps of up to max_cudagraph_capture_size sequences are
     captured as CUDA graphs unless enforce_eager. deterministic: the kernels batch-invariant
-    (Ops.batch_invariant), on every rank.
+    (Ops.batch_invariant), on every rank. quantization: as load_model's.
 
     tensor_parallel_size > 1: this process becomes rank 0 of a group (see parallel.py); it starts the other
     ranks, each with `threads` torch threads (default: the cores shared out), and calls on_rank_death(rank,
@@ -182,6 +184,7 @@ def assemble(
         "kv_cache_memory": kv_cache_memory,
         "gpu_memory_utilization": gpu_memory_utilization,
         "deterministic": deterministic,
+        "quantization": quantization,
     }
     group = ranks = None
     if tensor_parallel_size != 1:
@@ -254,6 +257,7 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
     worker = assemble(
         config.model,
         dtype=config.dtype,
+        quantization=config.quantization,
         device=config.device,
         block_size=config.block_size,
         num_blocks=config.num_blocks,

@@ -27,6 +27,8 @@ DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE = 256
 DEFAULT_DETERMINISTIC = False
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --quantization: the checkpoint's own (auto), dequantized (none), or a method the checkpoint must have.
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gptq", "awq")
 
 _UNITS = {
     "": 1,
@@ -69,6 +71,9 @@ class WorkerConfig(ServiceTLSFields):
     # Weights' and KV cache's dtype; "auto": bfloat16 on CUDA and where the CPU runs it faster
     # (loader.cpu_prefers_bf16), else float32.
     dtype: str = "auto"
+    # Weights of a quantized checkpoint (GGUF, GPTQ, AWQ): "auto" keeps them quantized (the activations in
+    # dtype), "none" dequantizes them at load; or the checkpoint's own method named ("gguf", "gptq", "awq").
+    quantization: str = "auto"
     # torch device ("cpu", "cuda", "cuda:1"); "auto": cuda when available, else cpu.
     device: str = "auto"
     # Tokens per KV block.
@@ -112,6 +117,10 @@ class WorkerConfig(ServiceTLSFields):
         self.cluster_auth  # noqa: B018 -- checks the cluster token file exists
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, not {self.quantization!r}"
+            )
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, not {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
@@ -190,6 +199,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
     add("--model", str, "model folder, .gguf file, or 'default'")
     add("--dtype", str, "weights and KV cache dtype", default="auto", choices=DTYPES)
+    add(
+        "--quantization",
+        str,
+        "quantized checkpoint weights: auto (GPTQ and AWQ kept quantized, a GGUF dequantized), gguf (a GGUF kept quantized), none (dequantized)",
+        default="auto",
+        choices=QUANTIZATION_CHOICES,
+    )
     add("--device", str, "torch device: auto, cpu, cuda, cuda:N", default="auto")
     add("--block-size", int, "tokens per KV block", default=16)
     add("--kv-cache-memory", parse_bytes, "KV pool budget, e.g. 2GiB, 512MiB, or bytes")

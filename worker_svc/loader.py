@@ -14,8 +14,19 @@ from safetensors import safe_open
 
 from pagedserve.kernels import get_ops
 from pagedserve.kernels.ops import Ops, linear_for
-from pagedserve.worker_svc.model import CausalLM, ModelConfig, can_pack_linears
+from pagedserve.kernels.quant import QuantizedWeight, dequantize
+from pagedserve.worker_svc.model import CausalLM, ModelConfig, can_pack_linears, can_quantize_linears
 from pagedserve.worker_svc.parallel import ParallelGroup, shard_config
+from pagedserve.worker_svc.quantization import (
+    QUANT_SUFFIXES,
+    QuantConfig,
+    detect_quantization,
+    fuse_quantized_modules,
+    gguf_source,
+    read_gguf_linears,
+    read_quantized_module,
+    resolve_quantization,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +92,12 @@ def load_model(
     device: torch.device | str,
     ops: Ops | None = None,
     group: ParallelGroup | None = None,
+    quantization: str = "auto",
 ) -> CausalLM:
     """The model of a HF folder on `device` in `dtype`, its layers calling `ops` (default: the device's);
-    with a tensor-parallel group, this rank's shard of it (see parallel.py)."""
+    with a tensor-parallel group, this rank's shard of it (see parallel.py). quantization: "auto" keeps a
+    GPTQ or AWQ checkpoint's linear weights quantized where the kernels have a quantized linear, "gguf" a
+    GGUF's, "none" loads them dequantized (see worker_svc/quantization.py)."""
     start = time.perf_counter()
     model_dir = Path(model_dir)
     full = read_model_config(model_dir)
@@ -91,6 +105,29 @@ def load_model(
     model = CausalLM(config, dtype, device, ops)
     if group is not None:
         group.parallelize(model, full)
+    method = resolve_quantization(model_dir, quantization)
+    if group is not None and (method is not None or detect_quantization(model_dir) in ("gptq", "awq")):
+        raise ValueError(
+            f"{model_dir.name}: tensor parallelism does not shard quantized weights yet; a GGUF model shards "
+            "dequantized (--quantization auto or none), a GPTQ or AWQ checkpoint serves on one rank"
+        )
+    # GPTQ and AWQ tensors are read whether kept quantized or not (then dequantized into the weights).
+    qc = QuantConfig.from_config(model_dir) if detect_quantization(model_dir) in ("gptq", "awq") else None
+    quant_parts: dict[str, dict[str, torch.Tensor]] = {}  # HF module -> its qweight, qzeros, scales, g_idx
+    if method is not None and not can_quantize_linears(model.ops, dtype, torch.device(device)):
+        log.warning(
+            "%s is %s-quantized but the kernels have no quantized linear for %s on %s: loading it dequantized",
+            model_dir.name,
+            method,
+            dtype,
+            device,
+        )
+        method = None
+    if method is not None and model.ops.batch_invariant:
+        # NOTE: the quantized linear's sums depend on the step's rows (its passes and its dequantized path
+        # for many rows), so batch invariance (--deterministic) takes the dequantized weights.
+        log.warning("%s: --deterministic loads its %s weights dequantized", model_dir.name, method)
+        method = None
     params = dict(model.named_parameters())
     # Fused parameters are complete once all their shards are loaded, the others once loaded.
     missing = {(name, None) for name in params}
@@ -104,6 +141,10 @@ def load_model(
             if hf_name.endswith(_IGNORED_SUFFIXES):
                 continue
             name = hf_name.removeprefix("model.")
+            module, _, suffix = name.rpartition(".")
+            if qc is not None and suffix in QUANT_SUFFIXES and module.rpartition(".")[2] in _HF_SHAPES:
+                quant_parts.setdefault(module, {})[suffix] = tensor
+                continue
             if name == "lm_head.weight" and config.tie_word_embeddings:
                 continue  # some exporters write the tied head anyway
             if group is not None:
@@ -124,22 +165,76 @@ def load_model(
                 )
             target.copy_(tensor)
             missing.discard((name, shard))
+        quantized, fused_of = {}, {}
+        for module, parts in quant_parts.items():
+            parent, _, proj = module.rpartition(".")
+            quantized[module] = read_quantized_module(module, parts, qc, *_HF_SHAPES[proj](config))
+            fused, shard = _FUSED.get(proj, (proj, None))
+            fused_of[module] = f"{parent}.{fused}"
+            missing.discard((f"{parent}.{fused}.weight", shard))
+        weights, perms, unfused = fuse_quantized_modules(quantized)
+        for module, (weight, perm) in quantized.items():
+            if method is None or fused_of[module] in unfused:
+                _dequantize_into(params, config, module, weight, perm)
+        if method is not None and unfused:
+            log.warning(
+                "%s: %s load dequantized (their shards' column orders differ)", model_dir.name, unfused
+            )
     if missing:
         names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
         raise ValueError(f"{model_dir}: weights missing from the checkpoint: {', '.join(names[:10])}")
     model.eval()
+    if method == "gguf":
+        source = gguf_source(model_dir)
+        assert source is not None
+        model.quantize_linears(read_gguf_linears(source, config))
+    elif method is not None:
+        model.quantize_linears({n: w for n, w in weights.items() if n not in unfused}, perms)
     if can_pack_linears(dtype, torch.device(device)):
         model.pack_linears()
     log.info(
-        "loaded %s (%s, %d layers) as %s on %s in %.2f s",
+        "loaded %s (%s, %d layers) as %s%s on %s in %.2f s",
         model_dir.name,
         config.model_type,
         config.num_layers,
         dtype,
+        f" with {method} weights kept quantized" if method else "",
         device,
         time.perf_counter() - start,
     )
     return model
+
+
+# The [out, in] shape of each quantizable HF projection.
+_HF_SHAPES = {
+    "q_proj": lambda c: (c.q_size, c.hidden_size),
+    "k_proj": lambda c: (c.kv_size, c.hidden_size),
+    "v_proj": lambda c: (c.kv_size, c.hidden_size),
+    "o_proj": lambda c: (c.hidden_size, c.q_size),
+    "gate_proj": lambda c: (c.intermediate_size, c.hidden_size),
+    "up_proj": lambda c: (c.intermediate_size, c.hidden_size),
+    "down_proj": lambda c: (c.hidden_size, c.intermediate_size),
+}
+
+
+def _dequantize_into(
+    params: dict[str, torch.nn.Parameter],
+    config: ModelConfig,
+    module: str,
+    weight: QuantizedWeight,
+    perm: torch.Tensor | None,
+) -> None:
+    """An HF module's quantized weight, dequantized in float32 (its columns back in order), into its
+    (fused) parameter."""
+    w = dequantize(weight)
+    if perm is not None:
+        w = torch.empty_like(w).index_copy_(1, perm, w)
+    parent, _, proj = module.rpartition(".")
+    fused, shard = _FUSED.get(proj, (proj, None))
+    target = params[f"{parent}.{fused}.weight"]
+    if shard is not None:
+        target = target.narrow(0, *_shard_rows(config, f"{fused}", shard))
+    target.copy_(w)
 
 
 def _shard_rows(config: ModelConfig, name: str, shard: int) -> tuple[int, int]:

@@ -24,6 +24,7 @@ from torch import nn
 
 from pagedserve.kernels import get_ops
 from pagedserve.kernels.ops import DecoderStack, DecoderStackFactory, LinearKernels, Ops, linear_for
+from pagedserve.kernels.quant import QuantizedWeight, pack_quant_weight
 from pagedserve.worker_svc import host_memory
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -243,6 +244,39 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
+class QuantLinear(nn.Module):
+    """A linear layer whose weight stays quantized (int4 or int8 codes, a scale and offset per group of K;
+    kernels/quant.py), multiplied by the C++ kernels' quantized linear with activations of the model dtype
+    (float32 or bf16). `perm` (GPTQ's act order): x's columns in the codes' K order, gathered each call."""
+
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        kernels: Any,
+        perm: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.kernels = kernels
+        # in huge pages: decode streams it every step, as PackedLinear's
+        packed = host_memory.in_huge_pages(pack_quant_weight(weight))
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.perm = perm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        return self.kernels.linear_quant(x, self.weight, self.bias)
+
+
+def can_quantize_linears(ops: Ops, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether QuantLinear applies: the CPU kernels' quantized linear (AVX-512), float32 or bf16 activations."""
+    kernels = linear_for(ops, dtype) if device.type == "cpu" else None
+    return kernels is not None and getattr(kernels, "linear_quant", None) is not None
+
+
 def can_pack_linears(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether PackedLinear applies: on a CPU where the kernels have a linear for the dtype (bf16: AVX-512
     BF16, or AVX2 with FMA; float32: AVX2 with FMA), else where oneDNN runs it (bf16 natively)."""
@@ -459,13 +493,39 @@ class CausalLM(nn.Module):
             for name, child in module.named_children():
                 if type(child) is nn.Linear:
                     setattr(module, name, PackedLinear(child.weight, child.bias, kernels, arena))
-        if self.lm_head is None:
+        if self.lm_head is None and self.tied_head is None:
             self.tied_head = PackedLinear(self.embed_tokens.weight, None, kernels, arena)
         # NOTE: a tensor-parallel shard sums its layers' outputs over the ranks between the kernels, which
-        # the stack's one call has no place for: it runs the layer loop (docs/tensor-parallel.md has the cost).
+        # the stack's one call has no place for: it runs the layer loop (docs/tensor-parallel.md has the cost);
+        # so does a model whose quantized linears gather their activations' columns (GPTQ's act order).
         parallel = self.layers[0].mlp.all_reduce is not None
-        if kernels is not None and self.ops.decoder_stack is not None and not parallel:
+        permuted = any(isinstance(m, QuantLinear) and m.perm is not None for m in self.modules())
+        if kernels is not None and self.ops.decoder_stack is not None and not parallel and not permuted:
             self.stack = self._build_stack(self.ops.decoder_stack)
+
+    def quantize_linears(
+        self, weights: dict[str, QuantizedWeight], perms: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Replace the linear modules named in `weights` (fused names: layers.0.self_attn.qkv_proj, ...;
+        "lm_head" for the head, tied or not) with QuantLinear; see can_quantize_linears. pack_linears packs
+        the others after. A model whose activations need a column gather (perms) runs the layer loop."""
+        assert can_quantize_linears(self.ops, self.dtype, self.device), (self.dtype, self.device)
+        kernels = linear_for(self.ops, self.dtype)
+        perms = perms or {}
+        for name, weight in weights.items():
+            parent, _, attr = name.rpartition(".")
+            module = self.get_submodule(parent) if parent else self
+            old = getattr(module, attr)
+            shape = (self.config.vocab_size, self.config.hidden_size) if old is None else old.weight.shape
+            if tuple(weight.shape) != tuple(shape):
+                raise ValueError(
+                    f"{name}: quantized weight of shape {weight.shape}, the model expects {tuple(shape)}"
+                )
+            layer = QuantLinear(weight, None if old is None else old.bias, kernels, perms.get(name))
+            if name == "lm_head" and old is None:
+                self.tied_head = layer
+            else:
+                setattr(module, attr, layer)
 
     def _build_stack(self, new_stack: DecoderStackFactory) -> DecoderStack:
         """The kernels' DecoderStack over this model's packed weights (shared, not copied). It runs the

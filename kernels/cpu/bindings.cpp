@@ -2,6 +2,7 @@
 
 #include <torch/extension.h>
 
+#include "linear_quant.h"
 #include "ops.h"
 
 namespace ps = pagedserve::cpu;
@@ -29,6 +30,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_silu", &ps::linear_silu,
         "silu_mul(linear(x, packed, 2 * size, bias)) without the [..., 2 * size] intermediate",
         release_gil());
+  m.def("linear_quant", &ps::linear_quant,
+        "y = x @ W^T + bias with W quantized (int4 or int8 codes, a scale and offset a group; see "
+        "kernels/quant.py pack_quant_weight), x float32 or bf16",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), release_gil());
+  m.def("has_linear_quant", &ps::has_linear_quant, "Whether this build has linear_quant (AVX-512)");
+  m.def("quant_dequant_min_rows", &ps::quant_dequant_min_rows,
+        "Rows of bf16 x from which linear_quant dequantizes blocks for the bf16 linear, -1 never");
+  m.def("set_quant_dequant_min_rows", &ps::set_quant_dequant_min_rows, py::arg("rows"),
+        "Sets quant_dequant_min_rows (-1 never, -2 the build's choice); returns the setting before");
   m.def("has_linear", &ps::has_linear, "Whether this build has linear (AVX-512 BF16, or AVX2 with FMA)");
   m.def("has_linear_f32", &ps::has_linear_f32, "Whether this build has linear for float32 (AVX2 with FMA)");
   m.def("prefetches_into_l2", &ps::prefetches_into_l2,

@@ -27,6 +27,7 @@
 #include "attention.h"
 #include "common.h"
 #include "linear.h"
+#include "linear_quant.h"
 #include "ops.h"
 #include "pointwise.h"
 
@@ -34,7 +35,7 @@ namespace pagedserve::cpu {
 namespace {
 
 struct StackLayer {
-  at::Tensor qkv, o, gate_up, down;  // packed by pack_linear_weight
+  at::Tensor qkv, o, gate_up, down;  // packed by pack_linear_weight, or quantized (pack_quant_weight)
   c10::optional<at::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
   at::Tensor input_norm, post_attention_norm;
   c10::optional<at::Tensor> q_norm, k_norm;  // per-head RMSNorm of q and k (qwen3)
@@ -321,10 +322,11 @@ class DecoderStackT final : public StackBase {
     linear(attn.const_data_ptr<T>(), rows, layer.o, q_size_, hidden_, layer.o_bias, b.o);
     rms_norm_rows<T>(xp, hidden_, b.o, hidden_, layer.post_attention_norm.const_data_ptr<T>(), b.h, hidden_,
                      rows, hidden_, eps_);
-    if constexpr (std::is_same_v<T, float>) {
+    const bool quantized = layer.gate_up.scalar_type() == at::kByte;  // see linear
+    if (std::is_same_v<T, float> || quantized) {
       linear(b.h, rows, layer.gate_up, hidden_, 2 * intermediate_, layer.gate_up_bias, b.scratch);
-      silu_mul_rows<float>(b.scratch, 2 * intermediate_, b.act, rows, intermediate_);
-    } else {
+      silu_mul_rows<T>(b.scratch, 2 * intermediate_, b.act, rows, intermediate_);
+    } else if constexpr (!std::is_same_v<T, float>) {
       linear_silu_to(b.h, rows, layer.gate_up.const_data_ptr<T>(), hidden_ / 2, intermediate_,
                      data_or_null<T>(layer.gate_up_bias), b.act, intermediate_, b.scratch);
     }
@@ -333,9 +335,12 @@ class DecoderStackT final : public StackBase {
                      hidden_, eps_);
   }
 
-  // y [rows, n] = x [rows, k] @ W^T + bias for a W packed by pack_linear_weight (x and y contiguous).
+  // y [rows, n] = x [rows, k] @ W^T + bias for a W packed by pack_linear_weight, or quantized (uint8, from
+  // pack_quant_weight) (x and y contiguous).
   static void linear(const T* x, int64_t rows, const at::Tensor& packed, int64_t k, int64_t n,
                      const c10::optional<at::Tensor>& bias, T* y) {
+    if (packed.scalar_type() == at::kByte)
+      return linear_quant_to(x, k, rows, packed.const_data_ptr<uint8_t>(), data_or_null<T>(bias), y, n);
     if constexpr (std::is_same_v<T, float>) {
       linear_f32_to(x, k, rows, packed.const_data_ptr<float>(), k, n, data_or_null<float>(bias), y, n);
     } else {
@@ -345,6 +350,13 @@ class DecoderStackT final : public StackBase {
 
   static void check_packed(const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
                            int64_t k, const char* name) {
+    if (is_quant_weight(packed)) {
+      const QuantHeader h = quant_header(packed, (std::string(name) + ": ").c_str());
+      TORCH_CHECK(h.n == n && h.k == k, name, ": expected a quantized weight [", n, ", ", k, "], got [", h.n,
+                  ", ", h.k, "]");
+      check_linear_bias(bias, n, (std::string(name) + ": the ").c_str(), std::is_same_v<T, float>);
+      return;
+    }
     // bf16: [blocks, K / 2, 16, 2]; float32: [blocks, K, 16] (see pack_linear_weight)
     const bool shaped =
         std::is_same_v<T, float>

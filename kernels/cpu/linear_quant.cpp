@@ -1,0 +1,500 @@
+// The weight-only quantized linear (see linear_quant.h). Each thread streams its run of W's blocks once (see
+// BlockRuns), a block's codes turned into float32 or bf16 vectors in registers and multiplied by up to kRows
+// rows of x at a time; a group's products are summed in float32, then scaled and offset into the row's sums.
+
+#include "linear_quant.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "block_runs.h"
+#include "linear.h"
+#include "prefetch.h"
+#include "vec.h"
+
+namespace pagedserve::cpu {
+
+namespace {
+
+std::atomic<int64_t> dequant_min_rows{kQuantDequantRows};
+
+int64_t scale_group_bytes(int32_t kind) { return kind == kScaleF32 ? 128 : (kind == kScaleF16 ? 64 : 32); }
+
+}  // namespace
+
+QuantHeader quant_header(const at::Tensor& packed, const char* what) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous() &&
+                  packed.numel() >= kQuantHeaderBytes,
+              what, "a quantized weight must be a contiguous uint8 tensor from pack_quant_weight");
+  QuantHeader h;
+  std::memcpy(&h, packed.const_data_ptr<uint8_t>(), sizeof h);
+  TORCH_CHECK(h.magic == kQuantMagic, what, "not a packed quantized weight (no header)");
+  TORCH_CHECK((h.bits == 4 || h.bits == 8) && h.scale_kind >= 0 && h.scale_kind <= 2 && h.group_size > 0 &&
+                  h.group_size % (h.bits == 4 ? 8 : 4) == 0 && h.n > 0 && h.groups > 0 &&
+                  h.k == h.groups * h.group_size,
+              what, "malformed quantized weight header: bits ", h.bits, ", group size ", h.group_size, ", K ",
+              h.k, ", N ", h.n);
+  const int64_t scales = (h.groups * scale_group_bytes(h.scale_kind) + 63) / 64 * 64;
+  const int64_t blocks = (h.n + kBlock - 1) / kBlock;
+  TORCH_CHECK(h.scale_bytes == scales && h.block_bytes == scales + h.k * kBlock * h.bits / 8 &&
+                  packed.numel() == kQuantHeaderBytes + blocks * h.block_bytes,
+              what, "quantized weight of ", packed.numel(), " bytes does not match its header");
+  return h;
+}
+
+bool is_quant_weight(const at::Tensor& packed) {
+  if (packed.scalar_type() != at::kByte || packed.dim() != 1 || packed.numel() < kQuantHeaderBytes)
+    return false;
+  uint32_t magic;
+  std::memcpy(&magic, packed.const_data_ptr<uint8_t>(), sizeof magic);
+  return magic == kQuantMagic;
+}
+
+#if defined(PAGEDSERVE_AVX512)
+
+namespace {
+
+// Rows of x a pass over a block computes (their group sums and totals stay in registers).
+constexpr int kRows = 8;
+// Independent sums a row keeps within a group: with few rows, one chain of multiply-adds a row would wait on
+// the latency of each (4 to 6 cycles) rather than on the weights.
+template <int R>
+constexpr int kChains = R == 1 ? 4 : (R == 2 ? 2 : 1);
+
+// A block's group g: its 16 scales and offsets in float32.
+template <int KIND>
+inline void group_scales(const uint8_t* scales, int64_t g, __m512& scale, __m512& offset) {
+  if constexpr (KIND == kScaleF32) {
+    const float* p = reinterpret_cast<const float*>(scales + g * 128);
+    scale = _mm512_loadu_ps(p);
+    offset = _mm512_loadu_ps(p + kBlock);
+  } else if constexpr (KIND == kScaleF16) {
+    const uint8_t* p = scales + g * 64;
+    scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+  } else {
+    scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 32)));
+    offset = _mm512_setzero_ps();
+  }
+}
+
+// N sums set to zero.
+template <int N>
+inline void zero(__m512* sums) {
+#pragma GCC unroll 32
+  for (int i = 0; i < N; ++i) sums[i] = _mm512_setzero_ps();
+}
+
+// The arguments of a pass: R rows of x against one block.
+struct Pass {
+  const uint8_t* block;  // the block (scales, then codes)
+  const QuantHeader* h;  // the weight's header
+  const void* x;         // the rows: bf16 (bf16 pairs path) or float32
+  int64_t ldx;           // elements between rows of x
+  const float* xsum;     // [R, groups]: each row's sum of x over each group
+  const void* bias;      // the block's 16 bias values (of the output's dtype), or null
+  void* y;               // the block's first column of the first row
+  int64_t ldy;           // elements between rows of y
+  int64_t cols;          // the block's columns that exist (<= 16)
+};
+
+// The row totals of R rows: + bias, stored as TOut.
+template <typename TOut, int R>
+inline void store_rows(const Pass& a, __m512 (&tot)[R]) {
+  const __m512 bias =
+      a.bias == nullptr ? _mm512_setzero_ps() : vec::load_n(static_cast<const TOut*>(a.bias), a.cols);
+  TOut* y = static_cast<TOut*>(a.y);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512 v = _mm512_add_ps(tot[r], bias);
+    if (a.cols == kBlock)
+      vec::store(y + r * a.ldy, v);
+    else
+      vec::store_n(y + r * a.ldy, v, a.cols);
+  }
+}
+
+// The scaled and offset sums of group g into the totals: scale * acc + offset * sum(x).
+template <int R, int A>
+inline void add_group(__m512 (&tot)[R], const __m512 (&acc)[R][A], __m512 scale, __m512 offset,
+                      const float* xsum, int64_t groups, int64_t g, bool offsets) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    __m512 sum = acc[r][0];
+#pragma GCC unroll 4
+    for (int c = 1; c < A; ++c) sum = _mm512_add_ps(sum, acc[r][c]);
+    tot[r] = _mm512_fmadd_ps(scale, sum, tot[r]);
+    if (offsets) tot[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[r * groups + g]), tot[r]);
+  }
+}
+
+// int4 codes, float32 x: each k's 16 codes widened to float32, one FMA a row.
+template <typename TOut, int KIND, int R>
+void pass_int4_f32(const Pass& a) {
+  const QuantHeader& h = *a.h;
+  const float* x = static_cast<const float*>(a.x);
+  const uint8_t* codes = a.block + h.scale_bytes;
+  const __m512i nibble = _mm512_set1_epi32(0xF);
+  __m512 tot[R];
+  zero<R>(tot);
+  for (int64_t g = 0; g < h.groups; ++g) {
+    constexpr int A = kChains<R>;
+    __m512 acc[R][A];
+    zero<R * A>(acc[0]);
+    for (int64_t j = 0; j < h.group_size / 8; ++j) {
+      const uint8_t* line = codes + (g * h.group_size / 8 + j) * 64;
+      prefetch_line(reinterpret_cast<const char*>(line) + kPrefetchBytes, Fetch::kReadL2);
+      const __m512i lanes = _mm512_loadu_si512(line);
+      const int64_t k0 = g * h.group_size + 8 * j;
+#pragma GCC unroll 8
+      for (int kk = 0; kk < 8; ++kk) {
+        const int shift = (kk & 1) ? 16 + 4 * (kk >> 1) : 4 * (kk >> 1);
+        const __m512 wv = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(lanes, shift), nibble));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          acc[r][kk % A] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * a.ldx + k0 + kk]), acc[r][kk % A]);
+      }
+    }
+    __m512 scale, offset;
+    group_scales<KIND>(a.block, g, scale, offset);
+    add_group<R, A>(tot, acc, scale, offset, a.xsum, h.groups, g, KIND != kScaleF16NoOffset);
+  }
+  store_rows<TOut, R>(a, tot);
+}
+
+// int8 codes, float32 x.
+template <typename TOut, int KIND, int R>
+void pass_int8_f32(const Pass& a) {
+  const QuantHeader& h = *a.h;
+  const float* x = static_cast<const float*>(a.x);
+  const int8_t* codes = reinterpret_cast<const int8_t*>(a.block + h.scale_bytes);
+  __m512 tot[R];
+  zero<R>(tot);
+  for (int64_t g = 0; g < h.groups; ++g) {
+    constexpr int A = kChains<R>;
+    __m512 acc[R][A];
+    zero<R * A>(acc[0]);
+    for (int64_t k4 = g * h.group_size; k4 < (g + 1) * h.group_size; k4 += 4) {
+      const int8_t* line = codes + k4 * kBlock;  // 4 k of 16 columns: one 64-byte line
+      prefetch_line(reinterpret_cast<const char*>(line) + kPrefetchBytes, Fetch::kReadL2);
+#pragma GCC unroll 4
+      for (int kk = 0; kk < 4; ++kk) {
+        const __m512 wv = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + kk * kBlock))));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          acc[r][kk % A] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * a.ldx + k4 + kk]), acc[r][kk % A]);
+      }
+    }
+    __m512 scale, offset;
+    group_scales<KIND>(a.block, g, scale, offset);
+    add_group<R, A>(tot, acc, scale, offset, a.xsum, h.groups, g, KIND != kScaleF16NoOffset);
+  }
+  store_rows<TOut, R>(a, tot);
+}
+
+#if defined(__AVX512BF16__)
+// int4 codes, bf16 x: a code c becomes the bf16 1 + c/16 (exact: c in the mantissa's top 4 bits), so that
+// vdpbf16ps multiplies a pair of k of 16 columns by a pair of x in one instruction; the group's sum is then
+// sum(x) + sum(x c) / 16, and scale * sum(x c) + offset * sum(x) = 16 scale * acc + (offset - 16 scale) *
+// sum(x).
+template <int KIND, int R>
+void pass_int4_bf16(const Pass& a) {
+  const QuantHeader& h = *a.h;
+  const c10::BFloat16* x = static_cast<const c10::BFloat16*>(a.x);
+  const uint8_t* codes = a.block + h.scale_bytes;
+  const __m512i mask = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
+  const __m512 sixteen = _mm512_set1_ps(16.f);
+  __m512 tot[R];
+  zero<R>(tot);
+  for (int64_t g = 0; g < h.groups; ++g) {
+    constexpr int A = kChains<R>;
+    __m512 acc[R][A];
+    zero<R * A>(acc[0]);
+    for (int64_t j = 0; j < h.group_size / 8; ++j) {
+      const uint8_t* line = codes + (g * h.group_size / 8 + j) * 64;
+      prefetch_line(reinterpret_cast<const char*>(line) + kPrefetchBytes, Fetch::kReadL2);
+      const __m512i lanes = _mm512_loadu_si512(line);
+      const int64_t k0 = g * h.group_size + 8 * j;
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m512i placed = p == 0 ? _mm512_slli_epi32(lanes, 3) : _mm512_srli_epi32(lanes, 4 * p - 3);
+        // (placed & mask) | one: the pair's two codes in the mantissas of 1.0
+        const __m512bh wv = (__m512bh)_mm512_ternarylogic_epi32(placed, mask, one, 0xEA);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, x + r * a.ldx + k0 + 2 * p, sizeof pair);
+          acc[r][p % A] = _mm512_dpbf16_ps(acc[r][p % A], wv, (__m512bh)_mm512_set1_epi32(pair));
+        }
+      }
+    }
+    __m512 scale, offset;
+    group_scales<KIND>(a.block, g, scale, offset);
+    const __m512 scale16 = _mm512_mul_ps(scale, sixteen);
+    add_group<R, A>(tot, acc, scale16, _mm512_sub_ps(offset, scale16), a.xsum, h.groups, g, true);
+  }
+  store_rows<c10::BFloat16, R>(a, tot);
+}
+#endif
+
+using PassFn = void (*)(const Pass&);
+
+template <template <typename, int, int> class F, typename TOut, int KIND, int... R>
+constexpr std::array<PassFn, sizeof...(R)> table(std::integer_sequence<int, R...>) {
+  return {&F<TOut, KIND, R + 1>::run...};
+}
+template <typename TOut, int KIND, int R>
+struct Int4F32 {
+  static void run(const Pass& a) { pass_int4_f32<TOut, KIND, R>(a); }
+};
+template <typename TOut, int KIND, int R>
+struct Int8F32 {
+  static void run(const Pass& a) { pass_int8_f32<TOut, KIND, R>(a); }
+};
+#if defined(__AVX512BF16__)
+template <typename TOut, int KIND, int R>
+struct Int4Bf16 {
+  static void run(const Pass& a) { pass_int4_bf16<KIND, R>(a); }
+};
+#endif
+
+// The passes of R = 1..kRows rows for a weight's bits and scales, with x of type TX and y of TOut.
+template <typename TX, typename TOut, int KIND>
+const PassFn* passes_of(int bits) {
+  using Rows = std::make_integer_sequence<int, kRows>;
+  static constexpr auto int4 = table<Int4F32, TOut, KIND>(Rows{});
+  static constexpr auto int8 = table<Int8F32, TOut, KIND>(Rows{});
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<TX, c10::BFloat16>) {
+    static constexpr auto int4_bf16 = table<Int4Bf16, TOut, KIND>(Rows{});
+    if (bits == 4) return int4_bf16.data();
+  }
+#endif
+  return bits == 4 ? int4.data() : int8.data();
+}
+
+#if defined(__AVX512BF16__)
+// Block `block` of W as bf16 in pack_linear_weight's layout ([K / 2, 16, 2]: pairs of k), each weight
+// scale * code + offset rounded once to bf16.
+template <int BITS, int KIND>
+void dequantize_block_bf16(const uint8_t* block, const QuantHeader& h, c10::BFloat16* out) {
+  const __m512i low = _mm512_set1_epi32(0xFFFF);
+  // The pair (even, odd) of 16 columns as one line of bf16 pairs.
+  const auto store_pair = [&](int64_t pair, __m512 even, __m512 odd) {
+    const __m512i e = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
+    const __m512i o = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
+    _mm512_storeu_si512(out + pair * 2 * kBlock, _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
+  };
+  for (int64_t g = 0; g < h.groups; ++g) {
+    __m512 scale, offset;
+    group_scales<KIND>(block, g, scale, offset);
+    const auto weight = [&](__m512i codes) {
+      return _mm512_add_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(codes)), offset);
+    };
+    if constexpr (BITS == 4) {
+      const uint8_t* codes = block + h.scale_bytes + g * h.group_size * 8;
+      for (int64_t j = 0; j < h.group_size / 8; ++j) {
+        const __m512i lanes = _mm512_loadu_si512(codes + j * 64);
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+          const __m512i pair =
+              _mm512_and_si512(_mm512_srli_epi32(lanes, 4 * p), _mm512_set1_epi32(0x000F000F));
+          store_pair((g * h.group_size + 8 * j) / 2 + p, weight(_mm512_and_si512(pair, low)),
+                     weight(_mm512_srli_epi32(pair, 16)));
+        }
+      }
+    } else {
+      const int8_t* codes = reinterpret_cast<const int8_t*>(block + h.scale_bytes);
+      for (int64_t kk = g * h.group_size; kk < (g + 1) * h.group_size; kk += 2) {
+        const auto line = [&](int64_t i) {
+          return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * kBlock)));
+        };
+        store_pair(kk / 2, weight(line(kk)), weight(line(kk + 1)));
+      }
+    }
+  }
+}
+
+using DequantizeFn = void (*)(const uint8_t*, const QuantHeader&, c10::BFloat16*);
+DequantizeFn dequantize_fn(const QuantHeader& h) {
+  static constexpr DequantizeFn fns[2][3] = {
+      {&dequantize_block_bf16<4, 0>, &dequantize_block_bf16<4, 1>, &dequantize_block_bf16<4, 2>},
+      {&dequantize_block_bf16<8, 0>, &dequantize_block_bf16<8, 1>, &dequantize_block_bf16<8, 2>}};
+  return fns[h.bits == 8][h.scale_kind];
+}
+
+// Blocks of W a thread dequantizes at a time for the kernels' bf16 linear: in L2 while its rows pass.
+constexpr int64_t kDequantBlocks = 4;
+
+// bf16 x of many rows: each thread dequantizes its run of W, kDequantBlocks blocks at a time, into bf16 in
+// pack_linear_weight's layout, and runs the kernels' bf16 linear on them (AMX tiles where the CPU has them),
+// single-threaded inside this region: the codes are turned into weights once for all the rows rather than
+// once for every kRows of them.
+void linear_dequant_bf16(const c10::BFloat16* x, int64_t ldx, int64_t m, const uint8_t* packed,
+                         const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
+  QuantHeader h;
+  std::memcpy(&h, packed, sizeof h);
+  const uint8_t* w = packed + kQuantHeaderBytes;
+  const DequantizeFn dequantize = dequantize_fn(h);
+  const int64_t blocks = (h.n + kBlock - 1) / kBlock, chunks = (blocks + kDequantBlocks - 1) / kDequantBlocks;
+  const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), chunks));
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    thread_local std::vector<c10::BFloat16> buffer;
+    buffer.resize(std::max<size_t>(buffer.size(), kDequantBlocks * kBlock * h.k));
+    const int64_t b0 = c * kDequantBlocks, nb = std::min(kDequantBlocks, blocks - b0);
+    for (int64_t b = 0; b < nb; ++b)
+      dequantize(w + (b0 + b) * h.block_bytes, h, buffer.data() + b * kBlock * h.k);
+    const int64_t cols = std::min(nb * kBlock, h.n - b0 * kBlock);
+    linear_to(x, ldx, m, buffer.data(), h.k / 2, cols, bias == nullptr ? nullptr : bias + b0 * kBlock,
+              y + b0 * kBlock, ldy);
+  }
+}
+
+bool use_dequant(int64_t m, const QuantHeader& h) {
+  const int64_t rows = dequant_min_rows.load(std::memory_order_relaxed);
+  return rows >= 0 && m >= rows && h.k % 2 == 0;
+}
+
+#endif
+
+template <typename T>
+void linear_quant_impl(const T* x, int64_t ldx, int64_t m, const uint8_t* packed, const T* bias, T* y,
+                       int64_t ldy) {
+  if (m == 0) return;
+  QuantHeader h;
+  std::memcpy(&h, packed, sizeof h);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (use_dequant(m, h)) return linear_dequant_bf16(x, ldx, m, packed, bias, y, ldy);
+  }
+#endif
+  const uint8_t* w = packed + kQuantHeaderBytes;
+  const int64_t k = h.k, groups = h.groups;
+  // The bf16 pairs path reads x as it is; the float32 paths read float32 x (bf16 widened once here).
+  bool pairs = false;
+#if defined(__AVX512BF16__)
+  pairs = std::is_same_v<T, c10::BFloat16> && h.bits == 4;
+#endif
+  std::vector<float> widened;
+  const float* xf = nullptr;
+  int64_t ldxf = ldx;
+  if constexpr (std::is_same_v<T, float>) {
+    xf = x;
+  } else if (!pairs) {
+    widened.resize(m * k);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t i = 0; i < k; ++i) widened[r * k + i] = static_cast<float>(x[r * ldx + i]);
+    xf = widened.data();
+    ldxf = k;
+  }
+  // Each row's sum of x over each group, in k order (the offsets' products).
+  std::vector<float> xsum(m * groups);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = g * h.group_size; i < (g + 1) * h.group_size; ++i)
+        s += static_cast<float>(x[r * ldx + i]);
+      xsum[r * groups + g] = s;
+    }
+  const PassFn* fns = h.scale_kind == kScaleF32   ? passes_of<T, T, kScaleF32>(h.bits)
+                      : h.scale_kind == kScaleF16 ? passes_of<T, T, kScaleF16>(h.bits)
+                                                  : passes_of<T, T, kScaleF16NoOffset>(h.bits);
+  const int64_t blocks = (h.n + kBlock - 1) / kBlock;
+  const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), blocks));
+  // Block b for all rows, kRows at a time (balanced): the block stays in L1 or L2 for the passes after the
+  // first.
+  const auto block = [&](int64_t b) {
+    const int64_t passes = (m + kRows - 1) / kRows;
+    for (int64_t i = 0; i < passes; ++i) {
+      const int64_t r0 = m * i / passes, rows = m * (i + 1) / passes - r0;
+      Pass a;
+      a.block = w + b * h.block_bytes;
+      a.h = &h;
+      a.x = pairs ? static_cast<const void*>(x + r0 * ldx) : static_cast<const void*>(xf + r0 * ldxf);
+      a.ldx = pairs ? ldx : ldxf;
+      a.xsum = xsum.data() + r0 * groups;
+      a.bias = bias == nullptr ? nullptr : bias + b * kBlock;
+      a.y = y + r0 * ldy + b * kBlock;
+      a.ldy = ldy;
+      a.cols = std::min<int64_t>(kBlock, h.n - b * kBlock);
+      fns[rows - 1](a);
+    }
+  };
+  BlockRuns runs(blocks, threads, 1);
+#pragma omp parallel num_threads(threads)
+  runs.work(omp_get_thread_num(), [&](int r, int64_t u, int64_t) {
+    int64_t first, parts;
+    runs.parts_of(r, u, first, parts);
+    block(first);
+  });
+}
+
+}  // namespace
+
+void linear_quant_to(const float* x, int64_t ldx, int64_t m, const uint8_t* packed, const float* bias,
+                     float* y, int64_t ldy) {
+  linear_quant_impl(x, ldx, m, packed, bias, y, ldy);
+}
+void linear_quant_to(const c10::BFloat16* x, int64_t ldx, int64_t m, const uint8_t* packed,
+                     const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
+  linear_quant_impl(x, ldx, m, packed, bias, y, ldy);
+}
+
+bool has_linear_quant() { return true; }
+
+#else
+
+void linear_quant_to(const float*, int64_t, int64_t, const uint8_t*, const float*, float*, int64_t) {
+  TORCH_CHECK(false, "this build has no quantized linear: it needs AVX-512 (see has_linear_quant)");
+}
+void linear_quant_to(const c10::BFloat16*, int64_t, int64_t, const uint8_t*, const c10::BFloat16*,
+                     c10::BFloat16*, int64_t) {
+  TORCH_CHECK(false, "this build has no quantized linear: it needs AVX-512 (see has_linear_quant)");
+}
+bool has_linear_quant() { return false; }
+
+#endif
+
+int64_t set_quant_dequant_min_rows(int64_t rows) {
+  return dequant_min_rows.exchange(rows == kQuantDequantDefault ? kQuantDequantRows : rows);
+}
+int64_t quant_dequant_min_rows() { return dequant_min_rows.load(); }
+
+at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& packed,
+                        const c10::optional<at::Tensor>& bias) {
+  const QuantHeader h = quant_header(packed, "");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() >= 1,
+              "x must be float32 or bf16 [..., K]");
+  TORCH_CHECK(x.size(-1) == h.k, "x has K = ", x.size(-1), ", the quantized weight ", h.k);
+  const bool f32 = x.scalar_type() == at::kFloat;
+  check_linear_bias(bias, h.n, "", f32);
+  at::Tensor x2 = x.reshape({-1, h.k});
+  if (x2.stride(-1) != 1) x2 = x2.contiguous();
+  const int64_t m = x2.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = h.n;
+  at::Tensor y = at::empty({m, h.n}, x.options());
+  const uint8_t* w = packed.const_data_ptr<uint8_t>();
+  if (f32)
+    linear_quant_to(x2.const_data_ptr<float>(), x2.stride(0), m, w,
+                    bias.has_value() ? bias->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(),
+                    h.n);
+  else
+    linear_quant_to(x2.const_data_ptr<c10::BFloat16>(), x2.stride(0), m, w,
+                    bias.has_value() ? bias->const_data_ptr<c10::BFloat16>() : nullptr,
+                    y.mutable_data_ptr<c10::BFloat16>(), h.n);
+  return y.view(out_shape);
+}
+
+}  // namespace pagedserve::cpu
