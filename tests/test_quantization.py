@@ -342,3 +342,58 @@ def test_default_model_shape_gptq_and_awq_decode_as_their_dequantized_models(
     prompts = default_model_prompts(load_tokenizer(default_model_dir))
     got = _greedy(load_model(tmp_path / "q", torch.float32, "cpu", quantization=method), prompts, 16)
     assert got == _greedy(load_model(tmp_path / "ref", torch.float32, "cpu"), prompts, 16)
+
+
+def test_auto_keeps_gptq_quantized_and_a_gguf_dequantized(small_llama, tmp_path, default_model_dir):
+    from quant_checkpoints import write_quantized
+
+    from pagedserve.worker_svc.quantization import resolve_quantization
+
+    state, config = small_llama
+    write_quantized(state, config, tmp_path / "q", tmp_path / "ref", "gptq", 4, 64)
+    assert resolve_quantization(tmp_path / "q", "auto") == "gptq"
+    assert resolve_quantization(tmp_path / "q", "none") is None
+    assert resolve_quantization(default_model_dir, "auto") is None
+    assert resolve_quantization(default_model_dir, "gguf") == "gguf"
+    with pytest.raises(ValueError, match=r"--quantization gptq, but .* is gguf"):
+        resolve_quantization(default_model_dir, "gptq")
+
+
+def test_batch_invariant_kernels_load_a_quantized_checkpoint_dequantized(small_llama, tmp_path):
+    """The quantized linear's sums depend on the step's rows: with the kernels batch-invariant
+    (--deterministic) a GPTQ checkpoint loads as with --quantization none, bit for bit."""
+    from quant_checkpoints import write_quantized
+
+    from pagedserve.kernels import get_ops
+    from pagedserve.worker_svc.loader import load_model
+    from pagedserve.worker_svc.model import QuantLinear
+
+    _quant_kernels()
+    state, config = small_llama
+    write_quantized(state, config, tmp_path / "q", tmp_path / "ref", "gptq", 4, 64)
+    ops = get_ops(torch.device("cpu"))
+    before = ops.batch_invariant
+    ops.batch_invariant = True
+    try:
+        model = load_model(tmp_path / "q", torch.float32, "cpu")
+        dense = load_model(tmp_path / "q", torch.float32, "cpu", quantization="none")
+        assert not any(isinstance(m, QuantLinear) for m in model.modules())
+        tokens = [torch.arange(7), torch.arange(3, 20)]
+        assert torch.equal(_logits(model, tokens), _logits(dense, tokens))
+    finally:
+        ops.batch_invariant = before
+    assert any(isinstance(m, QuantLinear) for m in load_model(tmp_path / "q", torch.float32, "cpu").modules())
+
+
+def test_tensor_parallelism_refuses_quantized_checkpoints_by_name(small_llama, tmp_path):
+    from quant_checkpoints import write_quantized
+
+    from pagedserve.worker_svc.loader import load_model
+
+    class OneOfTwoRanks:  # the loader refuses before it reads the group
+        size = 2
+
+    state, config = small_llama
+    write_quantized(state, config, tmp_path / "q", tmp_path / "ref", "gptq", 4, 64)
+    with pytest.raises(ValueError, match="q: tensor parallelism does not shard quantized weights"):
+        load_model(tmp_path / "q", torch.float32, "cpu", group=OneOfTwoRanks(), quantization="none")

@@ -100,17 +100,17 @@ def load_model(
     GGUF's, "none" loads them dequantized (see worker_svc/quantization.py)."""
     start = time.perf_counter()
     model_dir = Path(model_dir)
-    full = read_model_config(model_dir)
-    config = full if group is None else shard_config(full, group.size)
-    model = CausalLM(config, dtype, device, ops)
-    if group is not None:
-        group.parallelize(model, full)
     method = resolve_quantization(model_dir, quantization)
     if group is not None and (method is not None or detect_quantization(model_dir) in ("gptq", "awq")):
         raise ValueError(
             f"{model_dir.name}: tensor parallelism does not shard quantized weights yet; a GGUF model shards "
             "dequantized (--quantization auto or none), a GPTQ or AWQ checkpoint serves on one rank"
         )
+    full = read_model_config(model_dir)
+    config = full if group is None else shard_config(full, group.size)
+    model = CausalLM(config, dtype, device, ops)
+    if group is not None:
+        group.parallelize(model, full)
     # GPTQ and AWQ tensors are read whether kept quantized or not (then dequantized into the weights).
     qc = QuantConfig.from_config(model_dir) if detect_quantization(model_dir) in ("gptq", "awq") else None
     quant_parts: dict[str, dict[str, torch.Tensor]] = {}  # HF module -> its qweight, qzeros, scales, g_idx
