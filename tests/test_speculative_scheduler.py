@@ -65,7 +65,7 @@ def test_vllm_shaped_config_parses_from_json_and_dict():
             {"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
             "unknown field(s) draft_tensor_parallel",
         ),
-        ({"model": "/models/draft", "num_speculative_tokens": 2}, "draft-model proposals are not supported"),
+        ({"model": "/models/draft", "num_speculative_tokens": 2}, "a separate draft checkpoint is not supported"),
         ("{not json", "not valid JSON"),
         ("[1, 2]", "must be a JSON object"),
     ],
