@@ -71,8 +71,11 @@ def test_bad_speculative_config_fails_before_the_model_loads():
         LLM(speculative_config={"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3})
 
 
+@pytest.mark.parametrize(
+    "spec", [SPEC, {**LAYERS_SPEC, "num_draft_layers": 29}], ids=["ngram", "draft_layers"]
+)
 def test_served_stack_with_speculative_config_answers_as_the_offline_engine_without(
-    default_model_dir, tmp_path
+    default_model_dir, tmp_path, spec
 ):
     """`pagedserve serve --speculative-config` on real processes, through the openai SDK: greedy float32 text
     equal to the offline engine's without drafts, vLLM's counters on /metrics, no block held once idle."""
@@ -87,7 +90,7 @@ def test_served_stack_with_speculative_config_answers_as_the_offline_engine_with
         prompts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False
     )
     args = ["--dtype", "float32", "--num-blocks", "256", "--log-level", "warning"]
-    args += ["--speculative-config", json.dumps(SPEC)]
+    args += ["--speculative-config", json.dumps(spec)]
     with running(Stack(default_model_dir, tmp_path, serve_args=args)) as stack:
         client = openai.OpenAI(base_url=stack.openai_base_url, api_key="unused", max_retries=0, timeout=600)
         for prompt, expected in zip(prompts, reference, strict=True):
