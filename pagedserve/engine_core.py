@@ -125,6 +125,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
+        spec = self.speculative_config
+        if spec is not None and spec.num_draft_layers and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_config method draft_layers is not supported with tensor_parallel_size > 1"
+            )
 
 
 class EngineCore:
@@ -162,6 +167,13 @@ class EngineCore:
         self.model, self.kv_cache, self.runner = worker.model, worker.kv_cache, worker.runner
         self.dtype = self.model.dtype
         self.max_model_len = worker.info.max_model_len
+        spec = config.speculative_config
+        if spec is not None and spec.num_draft_layers >= worker.info.num_layers:
+            worker.close()
+            raise ValueError(
+                f"speculative_config.num_draft_layers {spec.num_draft_layers} is not below the model's "
+                f"{worker.info.num_layers} layers"
+            )
         self.scheduler_config = SchedulerConfig(
             num_blocks=worker.info.num_blocks,
             block_size=config.block_size,

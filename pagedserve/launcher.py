@@ -638,8 +638,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     try:
-        parse_speculative_config(args.speculative_config)
+        spec = parse_speculative_config(args.speculative_config)
     except ValueError as error:
         print(f"pagedserve serve: {error}", file=sys.stderr)
+        return 2
+    if spec is not None and spec.num_draft_layers and args.tensor_parallel_size > 1:
+        print(
+            "pagedserve serve: speculative_config method draft_layers is not supported with "
+            "--tensor-parallel-size > 1",
+            file=sys.stderr,
+        )
         return 2
     return serve(LaunchConfig(**vars(args)))

@@ -2,8 +2,12 @@
 "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'` on `pagedserve serve` and
 `pagedserve scheduler`, `LLM(speculative_config={...})` and `AsyncEngineArgs(speculative_config={...})`.
 
-The scheduler proposes (it holds the tokens) and the worker verifies whatever drafts a plan carries, so
-only the scheduler's side is configured. A configuration that cannot work fails at start, naming the field.
+Two proposers. "ngram": the scheduler looks the drafts up in the sequence's own tokens (it holds them).
+"draft_layers" (pagedserve's own; vLLM has no such method): a self-speculative draft, the first
+num_draft_layers layers of the served model with its final norm and LM head, run by the worker before it
+verifies; the scheduler plans the positions and tells the worker how many layers (StepPlan.num_draft_layers).
+Either way only the scheduler's side is configured. A configuration that cannot work fails at start, naming
+the field.
 """
 
 from __future__ import annotations
@@ -13,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Methods vLLM knows; pagedserve proposes with the first.
-METHODS = ("ngram",)
+# The methods pagedserve proposes with: vLLM's n-gram lookup, and its own self-speculative draft.
+METHODS = ("ngram", "draft_layers")
 _VLLM_ONLY_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "deepseek_mtp", "suffix")
 # Most draft tokens per step: a verification step computes 1 + k positions of a sequence.
 MAX_SPECULATIVE_TOKENS = 32
@@ -26,7 +30,8 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    # How drafts are proposed: "ngram" (prompt lookup in the sequence's own tokens).
+    # How drafts are proposed: "ngram" (prompt lookup in the sequence's own tokens) or "draft_layers" (the
+    # model's first num_draft_layers layers, final norm and LM head, greedily, in the worker).
     method: str
     # Most draft tokens a sequence verifies in one step (k): the step computes 1 + k of its positions.
     num_speculative_tokens: int
@@ -38,6 +43,9 @@ class SpeculativeConfig:
     # compute-bound, so 1 + k positions per sequence cost about what the accepted drafts save, and each
     # sequence with drafts leaves the pipeline for a step (docs/speculative-decoding.md, performance.md).
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # "draft_layers": how many of the model's first layers draft (below its layer count, which the
+    # scheduler checks when a worker registers); 0 for "ngram".
+    num_draft_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -61,6 +69,17 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
                 f"({self.prompt_lookup_max})"
+            )
+        layers = self.num_draft_layers
+        if self.method == "draft_layers":
+            if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+                raise ValueError(
+                    f"speculative_config.num_draft_layers must be a positive integer for method draft_layers, "
+                    f"not {layers!r}"
+                )
+        elif layers:
+            raise ValueError(
+                f"speculative_config.num_draft_layers applies to method draft_layers, not {self.method!r}"
             )
         limit = self.disable_by_batch_size
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
@@ -94,12 +113,19 @@ def parse_speculative_config(
             fields["method"] = "ngram"  # vLLM's older spelling
         elif model is not None:
             raise ValueError(
-                f"speculative_config.model {model!r}: draft-model proposals are not supported; "
-                'use {"method": "ngram"} (no smaller model shares the default model\'s tokenizer)'
+                f"speculative_config.model {model!r}: a separate draft checkpoint is not supported; "
+                'use {"method": "draft_layers", "num_draft_layers": L} (the model\'s own first L layers) '
+                'or {"method": "ngram"}'
             )
     fields.setdefault("method", "ngram")
     if "num_speculative_tokens" not in fields:
         raise ValueError("speculative_config.num_speculative_tokens is required")
+    if fields["method"] == "draft_layers":
+        if "num_draft_layers" not in fields:
+            raise ValueError("speculative_config.num_draft_layers is required for method draft_layers")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            if name in fields:
+                raise ValueError(f"speculative_config.{name} applies to method ngram, not draft_layers")
     lookup_max, lookup_min = fields.get("prompt_lookup_max"), fields.get("prompt_lookup_min")
     # vLLM's defaults: one bound given stands for both; neither: 5.
     if lookup_max is None:

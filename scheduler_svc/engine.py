@@ -126,6 +126,13 @@ class Engine:
             return refuse(
                 f"block size {info.block_size} differs from the scheduler's {self.config.block_size}"
             )
+        spec = self.config.speculative
+        if spec is not None and spec.num_draft_layers and spec.num_draft_layers >= info.num_layers:
+            await channel.close()
+            return refuse(
+                f"speculative_config.num_draft_layers {spec.num_draft_layers} is not below the model's "
+                f"{info.num_layers} layers"
+            )
         # A worker with this id or at this address already known is gone: its requests move on.
         for old in [
             w for w in self.workers.values() if w.worker_id == reg.worker_id or w.address == reg.address

@@ -111,7 +111,9 @@ class PlanBuilder:
         for req, drafts in out.drafts:
             plan.draft_slots.append(slot_of[req])
             plan.num_draft_tokens.append(len(drafts))
-            plan.draft_token_ids.extend(drafts)
+            if not out.num_draft_layers:  # else placeholders: the worker proposes them
+                plan.draft_token_ids.extend(drafts)
+        plan.num_draft_layers = out.num_draft_layers
         self._steps[out.step_id] = (slots, out.scheduled)
         self._steps.pop(out.step_id - _KEPT_STEPS, None)
         return request

@@ -30,7 +30,7 @@ step goes on; so does a request the worker refuses. The caller collects them wit
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,6 +70,8 @@ class SchedulerOutput:
     token_masks: np.ndarray | None = None
     # Sampled requests that verify draft tokens, with their drafts, in plan order.
     drafts: list[tuple[Request, list[int]]] = field(default_factory=list)
+    # > 0: the worker proposes those drafts with its model's first layers (placeholders in `drafts` until then).
+    num_draft_layers: int = 0
 
 
 @dataclass(slots=True)
@@ -464,6 +466,7 @@ class Scheduler:
             masked=masked,
             token_masks=token_masks,
             drafts=drafts,
+            num_draft_layers=spec.num_draft_layers if drafts and spec is not None else 0,
         )
         self._finished = []
         self._preempted = []
@@ -534,8 +537,9 @@ class Scheduler:
         sampled: list[Request],
         drafts: list[tuple[Request, list[int]]],
     ) -> bool:
-        """Schedule the decoding request's next token with n-gram drafts after it (1 + k positions) if it has
-        a proposal and the blocks for it; False, changing nothing, if not (it decodes as usual)."""
+        """Schedule the decoding request's next token with drafts after it (1 + k positions) if it has a
+        proposal and the blocks for it; False, changing nothing, if not (it decodes as usual). N-gram drafts
+        are looked up here; a self-speculative draft (num_draft_layers) always proposes k, in the worker."""
         spec = self.config.speculative
         assert spec is not None
         # NOTE: every token it may produce (the drafts and the one sampled after them) stays within its limit.
@@ -544,9 +548,13 @@ class Scheduler:
         )
         if k < 1:
             return False
-        if req.ngram is None:
-            req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        proposal = req.ngram.propose(req.token_ids, k, skip=req.num_pending_tokens)
+        if spec.num_draft_layers:
+            # The worker proposes them (StepPlan.num_draft_layers); until its result they are placeholders.
+            proposal = [0] * k
+        else:
+            if req.ngram is None:
+                req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            proposal = req.ngram.propose(req.token_ids, k, skip=req.num_pending_tokens)
         if not proposal or not self.kv.allocate_slots(req, 1 + len(proposal), cows):
             return False  # NOTE: drafts never preempt anyone: without blocks for them it decodes alone
         start = req.num_computed_tokens
@@ -788,6 +796,8 @@ class Scheduler:
         assert not out.drafts or len(accepted) == len(sampled), "accepted counts do not match the plan"
         # NOTE: the drafts of this step; a request's own draft_token_ids may be a later step's.
         drafts_of = dict(out.drafts) if out.drafts else None
+        if drafts_of and out.num_draft_layers:
+            drafts_of = _worker_drafts(sampled, drafts_of, result.draft_token_ids)
         block_size = self.config.block_size
         finished = RequestStatus.FINISHED
         outputs = []
@@ -946,3 +956,19 @@ def _token_logprob(result: worker_pb2.StepResult, i: int, offset: int, token: in
         top_token_ids=result.top_token_ids[offset : offset + k],
         top_logprobs=result.top_logprobs[offset : offset + k],
     )
+
+
+def _worker_drafts(
+    sampled: list[Request], planned: dict[Request, list[int]], proposed: Sequence[int]
+) -> dict[Request, list[int]]:
+    """The drafts the worker proposed for the planned requests (StepResult.draft_token_ids: in the order of
+    the sampled requests, each its planned count)."""
+    drafts = {}
+    offset = 0
+    for req in sampled:
+        k = len(planned.get(req, ()))
+        if k:
+            drafts[req] = list(proposed[offset : offset + k])
+            offset += k
+    assert offset == len(proposed), "proposed drafts do not match the plan"
+    return drafts

@@ -96,7 +96,8 @@ class FakeWorker:
     goes on with garbage (it writes garbage K/V and samples garbage tokens), for the scheduler to catch.
     markov: samples follow markov_sample (after a check that the K/V read are right) instead of sample.
     Draft tokens (speculative decoding) are verified as worker.proto says: written and computed after the
-    known tokens, accepted while each position's sample agrees, the rest rolled back.
+    known tokens, accepted while each position's sample agrees, the rest rolled back. With num_draft_layers the
+    fake proposes them itself (the markov sample, wrong at some positions) and reports them.
     """
 
     def __init__(
@@ -157,6 +158,8 @@ class FakeWorker:
             raise PlanError("scheduled arrays differ in length")
         if sum(plan.num_new_blocks) != len(plan.new_block_ids) or len(set(plan.slots)) != n:
             raise PlanError("new blocks do not add up, or a slot is scheduled twice")
+        if plan.num_draft_layers and plan.draft_token_ids:
+            raise PlanError("draft token ids although the worker proposes the drafts")
         drafts = _plan_drafts(plan)
         if any(s not in plan.slots for s in drafts):
             raise PlanError("drafts for a slot not scheduled")
@@ -216,6 +219,8 @@ class FakeWorker:
             self.kv[dst] = list(self.kv[src])
             self.num_copies += 1
         drafts = _plan_drafts(plan)
+        if plan.num_draft_layers:
+            drafts = {s: self._propose(self.slots[s], len(tokens)) for s, tokens in drafts.items()}
         for s, tokens in drafts.items():
             self.slots[s].tokens.extend(tokens)
             self.slots[s].extend_fingerprints()
@@ -233,6 +238,8 @@ class FakeWorker:
             self._check_attention(s, slot)
             if s in drafts:
                 self._verify(s, slot, drafts[s], result)
+                if plan.num_draft_layers:
+                    result.draft_token_ids.extend(drafts[s])
             elif slot.num_computed == len(slot.tokens):
                 position = len(slot.tokens) - slot.prompt_len
                 context = slot.fingerprints[-1] if not slot.corrupt else ("garbage", slot.fingerprints[-1])
@@ -255,6 +262,17 @@ class FakeWorker:
                 [0] * (len(result.sampled_slots) - len(result.num_accepted_tokens))
             )
         return result
+
+    def _propose(self, slot: _Slot, k: int) -> list[int]:
+        """k drafts after the slot's tokens: the markov samples, each wrong where a hash of the seed and its
+        position says (about one in three)."""
+        tokens = list(slot.tokens)
+        for _ in range(k):
+            token = markov_sample(slot.seed, tokens, self.vocab_size)
+            if hash((slot.seed, len(tokens), 0xD4AF7)) % 3 == 0:
+                token = (token + 1) % self.vocab_size
+            tokens.append(token)
+        return tokens[len(slot.tokens) :]
 
     def _verify(self, s: int, slot: _Slot, drafts: list[int], result: worker_pb2.StepResult) -> None:
         """Sample after the known tokens and after each draft; keep the drafts the samples agree with."""
@@ -298,7 +316,7 @@ class FakeWorker:
 def _plan_drafts(plan: worker_pb2.StepPlan) -> dict[int, list[int]]:
     drafts, offset = {}, 0
     for s, k in zip(plan.draft_slots, plan.num_draft_tokens, strict=True):
-        drafts[s] = list(plan.draft_token_ids[offset : offset + k])
+        drafts[s] = [0] * k if plan.num_draft_layers else list(plan.draft_token_ids[offset : offset + k])
         offset += k
     return drafts
 

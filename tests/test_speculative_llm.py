@@ -1,6 +1,6 @@
 """Speculative decoding end to end in the offline engine on the default model: float32 greedy output token for
-token identical with and without n-gram drafts on 12 prompts, seeded sampling identical too, and the KV pool
-whole afterwards."""
+token identical with and without n-gram drafts and self-speculative draft layers on 12 prompts, seeded sampling
+identical too, and the KV pool whole afterwards."""
 
 import pytest
 
@@ -9,6 +9,13 @@ from pagedserve import LLM, SamplingParams
 pytestmark = pytest.mark.slow
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# The first 20 of the default model's 30 layers draft 3 tokens, in every step.
+LAYERS_SPEC = {
+    "method": "draft_layers",
+    "num_speculative_tokens": 3,
+    "num_draft_layers": 20,
+    "disable_by_batch_size": None,  # all 12 sequences draft together
+}
 TEXT = "The river runs past the old mill, under the stone bridge, and into the quiet valley below."
 PROMPTS = [
     f"Repeat this sentence exactly: {TEXT}\n",
@@ -34,20 +41,29 @@ def _generate(spec, params):
     return [o.outputs[0].token_ids for o in outputs], scheduler.stats()
 
 
-def test_greedy_float32_output_is_identical_with_ngram_drafts():
+@pytest.mark.parametrize("spec", [SPEC, LAYERS_SPEC], ids=["ngram", "draft_layers"])
+def test_greedy_float32_output_is_identical_with_drafts(spec):
     params = SamplingParams(temperature=0, max_tokens=40)
     plain, _ = _generate(None, params)
-    speculative, stats = _generate(SPEC, params)
+    speculative, stats = _generate(spec, params)
     assert speculative == plain
     assert stats.spec_num_accepted_tokens > 0 and stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
 
 
-def test_seeded_sampling_is_identical_with_ngram_drafts():
+@pytest.mark.parametrize("spec", [SPEC, LAYERS_SPEC], ids=["ngram", "draft_layers"])
+def test_seeded_sampling_is_identical_with_drafts(spec):
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=32)
     plain, _ = _generate(None, params)
-    speculative, stats = _generate(SPEC, params)
+    speculative, stats = _generate(spec, params)
     assert speculative == plain
     assert stats.spec_num_drafts > 0
+
+
+def test_draft_layers_as_deep_as_the_model_fail_at_start():
+    with pytest.raises(ValueError, match="num_draft_layers 30 is not below the model's 30 layers"):
+        LLM(
+            speculative_config={"method": "draft_layers", "num_speculative_tokens": 2, "num_draft_layers": 30}
+        )
 
 
 def test_bad_speculative_config_fails_before_the_model_loads():
@@ -55,8 +71,11 @@ def test_bad_speculative_config_fails_before_the_model_loads():
         LLM(speculative_config={"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3})
 
 
+@pytest.mark.parametrize(
+    "spec", [SPEC, {**LAYERS_SPEC, "num_draft_layers": 29}], ids=["ngram", "draft_layers"]
+)
 def test_served_stack_with_speculative_config_answers_as_the_offline_engine_without(
-    default_model_dir, tmp_path
+    default_model_dir, tmp_path, spec
 ):
     """`pagedserve serve --speculative-config` on real processes, through the openai SDK: greedy float32 text
     equal to the offline engine's without drafts, vLLM's counters on /metrics, no block held once idle."""
@@ -71,7 +90,7 @@ def test_served_stack_with_speculative_config_answers_as_the_offline_engine_with
         prompts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False
     )
     args = ["--dtype", "float32", "--num-blocks", "256", "--log-level", "warning"]
-    args += ["--speculative-config", json.dumps(SPEC)]
+    args += ["--speculative-config", json.dumps(spec)]
     with running(Stack(default_model_dir, tmp_path, serve_args=args)) as stack:
         client = openai.OpenAI(base_url=stack.openai_base_url, api_key="unused", max_retries=0, timeout=600)
         for prompt, expected in zip(prompts, reference, strict=True):

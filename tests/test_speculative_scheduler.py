@@ -65,7 +65,10 @@ def test_vllm_shaped_config_parses_from_json_and_dict():
             {"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
             "unknown field(s) draft_tensor_parallel",
         ),
-        ({"model": "/models/draft", "num_speculative_tokens": 2}, "draft-model proposals are not supported"),
+        (
+            {"model": "/models/draft", "num_speculative_tokens": 2},
+            "a separate draft checkpoint is not supported",
+        ),
         ("{not json", "not valid JSON"),
         ("[1, 2]", "must be a JSON object"),
     ],
@@ -126,11 +129,11 @@ def _check_cached_tokens(scheduler: Scheduler) -> None:
             node = node.parent
 
 
-def _random_workload(seed: int, lag: int) -> tuple[Scheduler, Driver, dict]:
+def _random_workload(seed: int, lag: int, **spec) -> tuple[Scheduler, Driver, dict]:
     """Seven requests (n up to 2, some sharing a prompt prefix) on a pool small enough to preempt, run to the
     end; returns the scheduler, the driver and what each parent sequence must produce."""
     rng = random.Random(seed)
-    scheduler = _scheduler(num_blocks=rng.choice([28, 48]), budget=rng.choice([12, 64]))
+    scheduler = _scheduler(num_blocks=rng.choice([28, 48]), budget=rng.choice([12, 64]), **spec)
     driver = Driver(scheduler, lag=lag, check=lambda: _check_cached_tokens(scheduler), markov=True)
     expected = {}
     shared = [rng.randrange(2, 60) for _ in range(6)]
@@ -147,13 +150,18 @@ def _random_workload(seed: int, lag: int) -> tuple[Scheduler, Driver, dict]:
     return scheduler, driver, expected
 
 
+# Drafts the worker proposes (the fake's own, right about two times in three), as with method draft_layers.
+DRAFT_LAYERS = dict(method="draft_layers", num_draft_layers=1, prompt_lookup_max=5, prompt_lookup_min=5)
+
+
+@pytest.mark.parametrize("spec", [{}, DRAFT_LAYERS], ids=["ngram", "draft_layers"])
 @pytest.mark.parametrize("lag", [0, 1])
 @pytest.mark.parametrize("seed", range(6))
-def test_speculative_outputs_equal_plain_decoding_with_pools_whole_after(lag, seed):
+def test_speculative_outputs_equal_plain_decoding_with_pools_whole_after(lag, seed, spec):
     """Random workloads (n > 1 forks, shared prefixes, a pool small enough to preempt, pipelined or not):
     every sequence gets the tokens it gets decoded alone, every invariant holds after every schedule and
     update, drafts were accepted, and once all is done no block is held."""
-    scheduler, driver, expected = _random_workload(seed, lag)
+    scheduler, driver, expected = _random_workload(seed, lag, **spec)
     for (request_id, index), (prompt, seed_of_sequence, max_tokens) in expected.items():
         assert driver.logs[(request_id, index)].tokens == expected_markov_tokens(
             prompt, seed_of_sequence, max_tokens
@@ -161,6 +169,8 @@ def test_speculative_outputs_equal_plain_decoding_with_pools_whole_after(lag, se
     stats = scheduler.stats()
     assert stats.spec_num_accepted_tokens > 0
     assert stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
+    with_drafts = [out for out in driver.outputs if out.drafts]
+    assert all(out.num_draft_layers == spec.get("num_draft_layers", 0) for out in with_drafts)
     assert stats.spec_num_accepted_tokens == sum(stats.spec_num_accepted_tokens_per_pos)
     assert scheduler.kv.pool.num_used_blocks == 0
     assert scheduler.kv.num_free_blocks == scheduler.config.num_blocks

@@ -14,7 +14,7 @@ tests/test_model.py checks against the layer loop below for every family.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -425,6 +425,8 @@ class CausalLM(nn.Module):
         self.tied_head: PackedLinear | None = None
         # The layers in one call of the kernels, where they have a DecoderStack (see pack_linears).
         self.stack: DecoderStack | None = None
+        # Stacks of the first layers alone, by layer count, built at a draft's first use (draft_forward).
+        self._draft_stacks: dict[int, DecoderStack] = {}
         # Tensor parallelism (worker_svc/parallel.py): the full logits from this rank's vocabulary shard's
         # (on rank 0; None on the others); None: one rank.
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor | None] | None = None
@@ -444,11 +446,50 @@ class CausalLM(nn.Module):
         state, so there they are computed for those rows alone, each as one query over its sequence up
         to its position (every row's keys and values are written as always): for a prompt, 1/num_layers
         of its o and MLP FLOPs."""
-        assert input_ids.shape == positions.shape and input_ids.dim() == 1
         assert len(kv_caches) == len(self.layers)
+        return self._run_layers(self.layers, self.stack, input_ids, positions, attn, kv_caches, output_rows)
+
+    @torch.inference_mode()
+    def draft_forward(
+        self,
+        num_layers: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """forward through the first num_layers layers alone, then the final norm: a self-speculative draft
+        (worker_svc/spec_decode.py). Their keys and values go to kv_caches[:num_layers] as forward's would:
+        the same weights over the same inputs."""
+        assert 0 < num_layers < len(self.layers)
+        stack = None
         if self.stack is not None:
+            stack = self._draft_stacks.get(num_layers)
+            if stack is None:
+                stack = self._draft_stacks[num_layers] = self._build_stack(
+                    self.ops.decoder_stack, self.layers[:num_layers]
+                )
+        layers = self.layers[:num_layers]
+        return self._run_layers(
+            layers, stack, input_ids, positions, attn, kv_caches[:num_layers], output_rows
+        )
+
+    def _run_layers(
+        self,
+        layers: Sequence[DecoderLayer],
+        stack: DecoderStack | None,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        output_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The embedding, these layers (in one call of `stack` where given) and the final norm."""
+        assert input_ids.shape == positions.shape and input_ids.dim() == 1
+        if stack is not None:
             # The stack gathers the embedding and RoPE rows itself (see DecoderStack.forward_tokens).
-            return self.stack.forward_tokens(
+            return stack.forward_tokens(
                 input_ids,
                 positions,
                 self.embed_tokens.weight,
@@ -463,12 +504,10 @@ class CausalLM(nn.Module):
             )
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope.lookup(positions)  # once for all layers
-        h = self.layers[0].input_layernorm(x)
-        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        last = len(self.layers) - 1
-        for i, (layer, kv_cache, next_norm) in enumerate(
-            zip(self.layers, kv_caches, next_norms, strict=True)
-        ):
+        h = layers[0].input_layernorm(x)
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        last = len(layers) - 1
+        for i, (layer, kv_cache, next_norm) in enumerate(zip(layers, kv_caches, next_norms, strict=True)):
             h = layer(x, h, cos_sin, attn, kv_cache, next_norm, output_rows if i == last else None)
         return h
 
@@ -527,7 +566,9 @@ class CausalLM(nn.Module):
             else:
                 setattr(module, attr, layer)
 
-    def _build_stack(self, new_stack: DecoderStackFactory) -> DecoderStack:
+    def _build_stack(
+        self, new_stack: DecoderStackFactory, layers: Iterable[DecoderLayer] | None = None
+    ) -> DecoderStack:
         """The kernels' DecoderStack over this model's packed weights (shared, not copied). It runs the
         same kernels as forward's Python loop, in the same order (the MLP's gate_up linear and silu_mul
         as one pass, with the same roundings), so both compute the same bits; it saves the Python work
@@ -543,7 +584,7 @@ class CausalLM(nn.Module):
             scale=c.head_dim**-0.5,
             final_norm=self.norm.weight,
         )
-        for layer in self.layers:
+        for layer in self.layers if layers is None else layers:
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(
                 qkv=attn.qkv_proj.weight,

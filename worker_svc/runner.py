@@ -23,7 +23,13 @@ from pagedserve.worker_svc.cuda_graphs import DecodeGraphs, GraphCapture
 from pagedserve.worker_svc.kv_cache import KVCache
 from pagedserve.worker_svc.model import CausalLM
 from pagedserve.worker_svc.sampler import Sampler, SamplingMetadata, SlotSamplingState, compute_logprobs
-from pagedserve.worker_svc.spec_decode import num_accepted, plan_drafts, position_states, verify_rows
+from pagedserve.worker_svc.spec_decode import (
+    num_accepted,
+    plan_drafts,
+    position_states,
+    propose_layer_drafts,
+    verify_rows,
+)
 from pagedserve.worker_svc.step_inputs import SlotArrays, StepInputs, as_tensor
 
 # A plan is input too: the worker checks each new request's sampling as the scheduler did, against the same
@@ -166,7 +172,7 @@ class ModelRunner:
         t1 = t2 = time.perf_counter()
         if batch is None:
             return t1, t2, 0
-        drafts = self._write_drafts(plan)
+        drafts = self._write_drafts(plan, batch)
         inputs = self.arrays.inputs(batch.slots.tolist(), batch.start.tolist(), batch.num_scheduled.tolist())
         sample_idx, prompt_rows = self._logits_rows(batch, drafts)
         # The model returns the final states of these rows alone; sample rows alone come in order, and all of
@@ -182,6 +188,9 @@ class ModelRunner:
             output_rows = as_tensor(np.concatenate(rows).astype(np.int64, copy=False), self.device)
         logits, t1, t2 = self._forward(inputs, output_rows, before_forward)
         self._sample(batch, sample_idx, logits[: len(sample_rows)], result, self._token_masks(plan), drafts)
+        if plan.num_draft_layers:  # the drafts the worker proposed, for the scheduler (worker.proto)
+            for slot in result.sampled_slots:
+                result.draft_token_ids.extend(drafts.get(slot, ()))
         self._prompt_logprobs(batch, prompt_rows, logits[len(sample_rows) :], result)
         return t1, t2, batch.num_tokens
 
@@ -375,7 +384,15 @@ class ModelRunner:
             drafts = plan_drafts(plan)
         except ValueError as error:
             fail(str(error))
-        if drafts and max(plan.draft_token_ids) >= self.vocab_size:
+        if plan.num_draft_layers:
+            if not hasattr(self.model, "draft_forward"):
+                fail("self-speculative drafts (num_draft_layers) are not supported under tensor parallelism")
+            if plan.num_draft_layers >= self.model.config.num_layers:
+                fail(
+                    f"num_draft_layers {plan.num_draft_layers} is not below the model's "
+                    f"{self.model.config.num_layers} layers"
+                )
+        elif drafts and max(plan.draft_token_ids) >= self.vocab_size:
             fail(f"draft token id {max(plan.draft_token_ids)} is outside the vocabulary ({self.vocab_size})")
         scheduled: set[int] = set()
         sampling: set[int] = set()
@@ -627,9 +644,24 @@ class ModelRunner:
 
     # ---- speculative decoding (worker.proto; spec_decode) --------------------------------------------
 
-    def _write_drafts(self, plan: worker_pb2.StepPlan) -> dict[int, list[int]]:
-        """The plan's drafts by slot, written after each slot's known tokens (where the inputs are read from)."""
+    def _write_drafts(self, plan: worker_pb2.StepPlan, batch: _Batch) -> dict[int, list[int]]:
+        """The plan's drafts by slot, written after each slot's known tokens (where the inputs are read from);
+        proposed here first when the plan asks the worker to (num_draft_layers, spec_decode)."""
         drafts = plan_drafts(plan)
+        if drafts and plan.num_draft_layers:
+            slots = list(drafts)
+            index = {slot: i for i, slot in enumerate(batch.slots.tolist())}
+            proposed = propose_layer_drafts(
+                self.model,
+                self._kv_layers,
+                self.arrays,
+                plan.num_draft_layers,
+                slots,
+                [int(batch.start[index[slot]]) for slot in slots],
+                [self.slots[slot].num_tokens for slot in slots],
+                [len(drafts[slot]) for slot in slots],
+            )
+            return dict(zip(slots, proposed, strict=True))
         for slot, tokens in drafts.items():
             n = self.slots[slot].num_tokens
             self.arrays.reserve(slot, n + len(tokens) + 1, 0)
@@ -775,8 +807,10 @@ def _without_slots(plan: worker_pb2.StepPlan, left_out: Iterable[int]) -> worker
     else:
         kept.mask_slots.extend(plan.mask_slots)  # broken: _validate refuses it
         kept.token_masks = plan.token_masks
-    if len(plan.num_draft_tokens) == len(plan.draft_slots) and sum(plan.num_draft_tokens) == len(
-        plan.draft_token_ids
+    kept.num_draft_layers = plan.num_draft_layers
+    if len(plan.num_draft_tokens) == len(plan.draft_slots) and (
+        sum(plan.num_draft_tokens) == len(plan.draft_token_ids)
+        or (plan.num_draft_layers and not plan.draft_token_ids)
     ):
         offset = 0
         for slot, k in zip(plan.draft_slots, plan.num_draft_tokens, strict=True):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/worker.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"5\n\x0cStepsRequest\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.pagedserve.v1.StepPlan\":\n\rStepsResponse\x12)\n\x06result\x18\x01 \x01(\x0b\x32\x19.pagedserve.v1.StepResult\"\x9c\x02\n\nNewRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x42\n\rtrace_context\x18\x07 \x03(\x0b\x32+.pagedserve.v1.NewRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd0\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66inished_slots\x18\x02 \x03(\r\x12\x17\n\x0fpreempted_slots\x18\x03 \x03(\r\x12/\n\x0cnew_requests\x18\x04 \x03(\x0b\x32\x19.pagedserve.v1.NewRequest\x12\x17\n\x0f\x63opy_src_blocks\x18\x05 \x03(\r\x12\x17\n\x0f\x63opy_dst_blocks\x18\x06 \x03(\r\x12\r\n\x05slots\x18\x07 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x08 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\t \x03(\r\x12\x15\n\rnew_block_ids\x18\n \x03(\r\x12\x16\n\x0ereplaced_slots\x18\x0b \x03(\r\x12\x1e\n\x16replaced_block_indices\x18\x0c \x03(\r\x12\x1a\n\x12replaced_block_ids\x18\r \x03(\r\x12\x12\n\nmask_slots\x18\x0e \x03(\r\x12\x13\n\x0btoken_masks\x18\x0f \x01(\x0c\x12\x13\n\x0b\x64raft_slots\x18\x10 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x11 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x12 \x03(\r\"e\n\x0ePromptLogprobs\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\x96\x01\n\x0bStepTimings\x12\x14\n\x0cidle_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprepare_seconds\x18\x02 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12\x16\n\x0esample_seconds\x18\x04 \x01(\x01\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x13\n\x0bgap_seconds\x18\x06 \x01(\x01\"\xfa\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x15\n\rsampled_slots\x18\x02 \x03(\r\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\r\x12\x18\n\x10sampled_logprobs\x18\x04 \x03(\x02\x12\x15\n\rsampled_ranks\x18\x05 \x03(\r\x12\x18\n\x10num_top_logprobs\x18\x06 \x03(\r\x12\x15\n\rtop_token_ids\x18\x07 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\x12\x36\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs\x12+\n\x07timings\x18\n \x01(\x0b\x32\x1a.pagedserve.v1.StepTimings\x12\x15\n\rrefused_slots\x18\x0b \x03(\r\x12\x18\n\x10refused_messages\x18\x0c \x03(\t\x12\x1b\n\x13num_accepted_tokens\x18\r \x03(\r\"\x0e\n\x0cResetRequest\"7\n\rResetResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.pagedserve.v1.ModelInfo\"\x15\n\x13GetModelInfoRequest\">\n\x14GetModelInfoResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.pagedserve.v1.ModelInfo\"\xf4\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x0b \x01(\x04\x12\x15\n\reos_token_ids\x18\x0c \x03(\r2\xf4\x01\n\rWorkerService\x12\x46\n\x05Steps\x12\x1b.pagedserve.v1.StepsRequest\x1a\x1c.pagedserve.v1.StepsResponse(\x01\x30\x01\x12\x42\n\x05Reset\x12\x1b.pagedserve.v1.ResetRequest\x1a\x1c.pagedserve.v1.ResetResponse\x12W\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a#.pagedserve.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/worker.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"5\n\x0cStepsRequest\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.pagedserve.v1.StepPlan\":\n\rStepsResponse\x12)\n\x06result\x18\x01 \x01(\x0b\x32\x19.pagedserve.v1.StepResult\"\x9c\x02\n\nNewRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x42\n\rtrace_context\x18\x07 \x03(\x0b\x32+.pagedserve.v1.NewRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xea\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66inished_slots\x18\x02 \x03(\r\x12\x17\n\x0fpreempted_slots\x18\x03 \x03(\r\x12/\n\x0cnew_requests\x18\x04 \x03(\x0b\x32\x19.pagedserve.v1.NewRequest\x12\x17\n\x0f\x63opy_src_blocks\x18\x05 \x03(\r\x12\x17\n\x0f\x63opy_dst_blocks\x18\x06 \x03(\r\x12\r\n\x05slots\x18\x07 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x08 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\t \x03(\r\x12\x15\n\rnew_block_ids\x18\n \x03(\r\x12\x16\n\x0ereplaced_slots\x18\x0b \x03(\r\x12\x1e\n\x16replaced_block_indices\x18\x0c \x03(\r\x12\x1a\n\x12replaced_block_ids\x18\r \x03(\r\x12\x12\n\nmask_slots\x18\x0e \x03(\r\x12\x13\n\x0btoken_masks\x18\x0f \x01(\x0c\x12\x13\n\x0b\x64raft_slots\x18\x10 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x11 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x12 \x03(\r\x12\x18\n\x10num_draft_layers\x18\x13 \x01(\r\"e\n\x0ePromptLogprobs\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\x96\x01\n\x0bStepTimings\x12\x14\n\x0cidle_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprepare_seconds\x18\x02 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12\x16\n\x0esample_seconds\x18\x04 \x01(\x01\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x13\n\x0bgap_seconds\x18\x06 \x01(\x01\"\x93\x03\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x15\n\rsampled_slots\x18\x02 \x03(\r\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\r\x12\x18\n\x10sampled_logprobs\x18\x04 \x03(\x02\x12\x15\n\rsampled_ranks\x18\x05 \x03(\r\x12\x18\n\x10num_top_logprobs\x18\x06 \x03(\r\x12\x15\n\rtop_token_ids\x18\x07 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\x12\x36\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs\x12+\n\x07timings\x18\n \x01(\x0b\x32\x1a.pagedserve.v1.StepTimings\x12\x15\n\rrefused_slots\x18\x0b \x03(\r\x12\x18\n\x10refused_messages\x18\x0c \x03(\t\x12\x1b\n\x13num_accepted_tokens\x18\r \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x0e \x03(\r\"\x0e\n\x0cResetRequest\"7\n\rResetResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.pagedserve.v1.ModelInfo\"\x15\n\x13GetModelInfoRequest\">\n\x14GetModelInfoResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.pagedserve.v1.ModelInfo\"\xf4\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\r\x12\x10\n\x08head_dim\x18\n \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x0b \x01(\x04\x12\x15\n\reos_token_ids\x18\x0c \x03(\r2\xf4\x01\n\rWorkerService\x12\x46\n\x05Steps\x12\x1b.pagedserve.v1.StepsRequest\x1a\x1c.pagedserve.v1.StepsResponse(\x01\x30\x01\x12\x42\n\x05Reset\x12\x1b.pagedserve.v1.ResetRequest\x1a\x1c.pagedserve.v1.ResetResponse\x12W\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a#.pagedserve.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,23 +43,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_start=422
   _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_end=473
   _globals['_STEPPLAN']._serialized_start=476
-  _globals['_STEPPLAN']._serialized_end=940
-  _globals['_PROMPTLOGPROBS']._serialized_start=942
-  _globals['_PROMPTLOGPROBS']._serialized_end=1043
-  _globals['_STEPTIMINGS']._serialized_start=1046
-  _globals['_STEPTIMINGS']._serialized_end=1196
-  _globals['_STEPRESULT']._serialized_start=1199
-  _globals['_STEPRESULT']._serialized_end=1577
-  _globals['_RESETREQUEST']._serialized_start=1579
-  _globals['_RESETREQUEST']._serialized_end=1593
-  _globals['_RESETRESPONSE']._serialized_start=1595
-  _globals['_RESETRESPONSE']._serialized_end=1650
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1652
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1673
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1675
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1737
-  _globals['_MODELINFO']._serialized_start=1740
-  _globals['_MODELINFO']._serialized_end=1984
-  _globals['_WORKERSERVICE']._serialized_start=1987
-  _globals['_WORKERSERVICE']._serialized_end=2231
+  _globals['_STEPPLAN']._serialized_end=966
+  _globals['_PROMPTLOGPROBS']._serialized_start=968
+  _globals['_PROMPTLOGPROBS']._serialized_end=1069
+  _globals['_STEPTIMINGS']._serialized_start=1072
+  _globals['_STEPTIMINGS']._serialized_end=1222
+  _globals['_STEPRESULT']._serialized_start=1225
+  _globals['_STEPRESULT']._serialized_end=1628
+  _globals['_RESETREQUEST']._serialized_start=1630
+  _globals['_RESETREQUEST']._serialized_end=1644
+  _globals['_RESETRESPONSE']._serialized_start=1646
+  _globals['_RESETRESPONSE']._serialized_end=1701
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1703
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1724
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1726
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1788
+  _globals['_MODELINFO']._serialized_start=1791
+  _globals['_MODELINFO']._serialized_end=2035
+  _globals['_WORKERSERVICE']._serialized_start=2038
+  _globals['_WORKERSERVICE']._serialized_end=2282
 # @@protoc_insertion_point(module_scope)

@@ -45,7 +45,7 @@ class NewRequest(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "finished_slots", "preempted_slots", "new_requests", "copy_src_blocks", "copy_dst_blocks", "slots", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "replaced_slots", "replaced_block_indices", "replaced_block_ids", "mask_slots", "token_masks", "draft_slots", "num_draft_tokens", "draft_token_ids")
+    __slots__ = ("step_id", "finished_slots", "preempted_slots", "new_requests", "copy_src_blocks", "copy_dst_blocks", "slots", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "replaced_slots", "replaced_block_indices", "replaced_block_ids", "mask_slots", "token_masks", "draft_slots", "num_draft_tokens", "draft_token_ids", "num_draft_layers")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class StepPlan(_message.Message):
     DRAFT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_LAYERS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     finished_slots: _containers.RepeatedScalarFieldContainer[int]
     preempted_slots: _containers.RepeatedScalarFieldContainer[int]
@@ -82,7 +83,8 @@ class StepPlan(_message.Message):
     draft_slots: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., finished_slots: _Optional[_Iterable[int]] = ..., preempted_slots: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., replaced_slots: _Optional[_Iterable[int]] = ..., replaced_block_indices: _Optional[_Iterable[int]] = ..., replaced_block_ids: _Optional[_Iterable[int]] = ..., mask_slots: _Optional[_Iterable[int]] = ..., token_masks: _Optional[bytes] = ..., draft_slots: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_draft_layers: int
+    def __init__(self, step_id: _Optional[int] = ..., finished_slots: _Optional[_Iterable[int]] = ..., preempted_slots: _Optional[_Iterable[int]] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., replaced_slots: _Optional[_Iterable[int]] = ..., replaced_block_indices: _Optional[_Iterable[int]] = ..., replaced_block_ids: _Optional[_Iterable[int]] = ..., mask_slots: _Optional[_Iterable[int]] = ..., token_masks: _Optional[bytes] = ..., draft_slots: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., num_draft_layers: _Optional[int] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("slot", "start_position", "logprobs")
@@ -111,7 +113,7 @@ class StepTimings(_message.Message):
     def __init__(self, idle_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., num_tokens: _Optional[int] = ..., gap_seconds: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_slots", "sampled_token_ids", "sampled_logprobs", "sampled_ranks", "num_top_logprobs", "top_token_ids", "top_logprobs", "prompt_logprobs", "timings", "refused_slots", "refused_messages", "num_accepted_tokens")
+    __slots__ = ("step_id", "sampled_slots", "sampled_token_ids", "sampled_logprobs", "sampled_ranks", "num_top_logprobs", "top_token_ids", "top_logprobs", "prompt_logprobs", "timings", "refused_slots", "refused_messages", "num_accepted_tokens", "draft_token_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +127,7 @@ class StepResult(_message.Message):
     REFUSED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_slots: _containers.RepeatedScalarFieldContainer[int]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -138,7 +141,8 @@ class StepResult(_message.Message):
     refused_slots: _containers.RepeatedScalarFieldContainer[int]
     refused_messages: _containers.RepeatedScalarFieldContainer[str]
     num_accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_slots: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., sampled_ranks: _Optional[_Iterable[int]] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., refused_slots: _Optional[_Iterable[int]] = ..., refused_messages: _Optional[_Iterable[str]] = ..., num_accepted_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_slots: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., sampled_ranks: _Optional[_Iterable[int]] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., refused_slots: _Optional[_Iterable[int]] = ..., refused_messages: _Optional[_Iterable[str]] = ..., num_accepted_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()
