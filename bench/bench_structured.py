@@ -4,8 +4,10 @@ For each batch size B, B requests with a context of C tokens decode step after s
 ModelRunners taking turns, one unconstrained (the plain decode path), one with every row under a JSON schema: the
 scheduler's part (llguidance fills each row's token mask, the masks are packed into the plan, and each
 sampled token advances its row's matcher) and the worker's part (the plan's masks unpacked and applied
-before sampling) are timed apart. A row whose JSON is complete starts over with a fresh matcher, so every
-step measures rows in the middle of a document.
+before sampling) are timed apart. A third runner takes the constrained plans with the sampler as it was
+before its fused masked argmax (the masks unpacked onto a float32 copy of the logits, then the argmax), taking
+turns with the fused one step by step; both must pick the same tokens. A row whose JSON is complete starts
+over with a fresh matcher, so every step measures rows in the middle of a document.
 
     .venv/bin/python bench/bench_structured.py [--model default] [--batch 1,32] [--context 256] [--steps 24]
 
@@ -23,13 +25,14 @@ from pathlib import Path
 import torch
 from bench_worker import decode_plans
 
+from pagedserve.kernels.reference import mask_tokens
 from pagedserve.model_files import load_generation_info, resolve_model
 from pagedserve.scheduler_svc.structured_output import GrammarCompiler, MaskFiller, load_tokenizer
 from pagedserve.v1 import common_pb2
 from pagedserve.worker_svc.kv_cache import KVCache, KVCacheSpec
 from pagedserve.worker_svc.loader import load_model, parse_dtype
 from pagedserve.worker_svc.runner import ModelRunner
-from pagedserve.worker_svc.sampler import SamplingMetadata, apply_token_mask
+from pagedserve.worker_svc.sampler import Sampler, SamplingMetadata, apply_token_mask
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -65,15 +68,19 @@ def run_cell(model, spec_args, batch: int, context: int, steps: int, grammar, fi
         cache = KVCache(spec, batch * blocks_per_seq, torch.device("cpu"))
         return ModelRunner(model, cache, context + steps + 2)
 
-    plain, constrained = new_runner(), new_runner()
+    plain, constrained, unfused = new_runner(), new_runner(), new_runner()
+    # The sampler as it was before the fused kernel: the masks unpacked onto a float32 copy, then the argmax.
+    argmax = unfused.sampler.argmax
+    unfused.sampler.masked_argmax = lambda x, masks, rows: argmax(mask_tokens(x, masks, rows))
     matchers = [grammar.matcher() for _ in range(batch)]
-    times: dict[str, list[float]] = {"plain": [], "constrained": [], "mask": [], "advance": []}
+    times: dict[str, list[float]] = {"plain": [], "constrained": [], "unfused": [], "mask": [], "advance": []}
     plans = zip(
+        decode_plans(batch, context, spec_args["block_size"], cfg.vocab_size, steps),
         decode_plans(batch, context, spec_args["block_size"], cfg.vocab_size, steps),
         decode_plans(batch, context, spec_args["block_size"], cfg.vocab_size, steps),
         strict=True,
     )
-    for plain_plan, plan in plans:
+    for step, (plain_plan, plan, unfused_plan) in enumerate(plans):
         t = time.perf_counter()
         plain.execute(plain_plan)
         times["plain"].append(time.perf_counter() - t)
@@ -82,9 +89,19 @@ def run_cell(model, spec_args, batch: int, context: int, steps: int, grammar, fi
         plan.mask_slots.extend(range(batch))
         plan.token_masks = masks.tobytes()
         times["mask"].append(time.perf_counter() - t)
-        t = time.perf_counter()
-        result = constrained.execute(plan)
-        times["constrained"].append(time.perf_counter() - t)
+        unfused_plan.mask_slots.extend(range(batch))
+        unfused_plan.token_masks = plan.token_masks
+        # Both constrained runners see the same masks; which goes first alternates step by step.
+        for name in ("constrained", "unfused") if step % 2 else ("unfused", "constrained"):
+            runner, this_plan = (constrained, plan) if name == "constrained" else (unfused, unfused_plan)
+            t = time.perf_counter()
+            out = runner.execute(this_plan)
+            times[name].append(time.perf_counter() - t)
+            if name == "constrained":
+                result = out
+            else:
+                unfused_tokens = list(out.sampled_token_ids)
+        assert list(result.sampled_token_ids) == unfused_tokens, "the fused masked argmax disagrees"
         t = time.perf_counter()
         for i, token in enumerate(result.sampled_token_ids):
             assert matchers[i].consume_token(token), matchers[i].get_error()
@@ -93,21 +110,27 @@ def run_cell(model, spec_args, batch: int, context: int, steps: int, grammar, fi
         times["advance"].append(time.perf_counter() - t)
     # The first steps add the requests and warm up allocators and caches.
     cell = {name: statistics.median(values[2:]) for name, values in times.items()}
-    cell["apply"] = time_apply(torch.from_numpy(masks.copy()), cfg.vocab_size)  # the last step's real masks
+    # The last step's real masks.
+    cell["apply"], cell["apply_unfused"] = time_apply(torch.from_numpy(masks.copy()), cfg.vocab_size)
     return cell
 
 
-def time_apply(words: torch.Tensor, vocab: int, repeats: int = 50) -> float:
-    """Median seconds of the sampler's mask application alone, these masks on [B, vocab] bfloat16 logits."""
+def time_apply(words: torch.Tensor, vocab: int, repeats: int = 50) -> tuple[float, float]:
+    """Median seconds of the sampler's masked argmax alone, these masks on [B, vocab] bfloat16 logits: the
+    fused kernel's, and the masks unpacked onto a float32 copy then the argmax (taking turns)."""
     logits = torch.randn(words.shape[0], vocab).bfloat16()
+    sampler = Sampler(vocab)
     meta = SamplingMetadata.argmax_rows(words.shape[0])
     meta.token_mask = (None, words)
-    times = []
+    fused, unfused = [], []
     for _ in range(repeats):
         t = time.perf_counter()
-        apply_token_mask(logits, meta)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        sampler.masked_argmax(logits, words, None)
+        fused.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        sampler.argmax(apply_token_mask(logits, meta))
+        unfused.append(time.perf_counter() - t)
+    return statistics.median(fused), statistics.median(unfused)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         cell = run_cell(model, spec_args, batch, args.context, args.steps, grammar, filler)
         apply_s = cell["apply"]
         worker_extra = cell["constrained"] - cell["plain"]
+        unfused_extra = cell["unfused"] - cell["plain"]
         scheduler_s = cell["mask"] + cell["advance"]
         rows.append(
             {
@@ -159,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
                 "mask_apply_ms": apply_s * 1e3,
                 "worker_extra_ms": worker_extra * 1e3,
                 "overhead_of_step": (scheduler_s + max(worker_extra, 0.0)) / cell["plain"],
+                "unfused_step_ms": cell["unfused"] * 1e3,
+                "unfused_apply_ms": cell["apply_unfused"] * 1e3,
+                "unfused_worker_extra_ms": unfused_extra * 1e3,
+                "unfused_overhead_of_step": (scheduler_s + max(unfused_extra, 0.0)) / cell["plain"],
                 "mask_and_apply_of_step": (cell["mask"] + apply_s) / cell["plain"],
             }
         )
@@ -169,19 +197,23 @@ def main(argv: list[str] | None = None) -> int:
         f"{tokenizer_s:.2f} s, schema compile {compile_s * 1e3:.2f} ms ({cached_s * 1e6:.0f} us cached)\n"
     )
     print(
-        f"{'batch':>5} {'step ms':>8} {'constr ms':>9} {'fill ms':>8} {'advance ms':>10} {'apply ms':>8} "
-        f"{'worker +ms':>10} {'fill+apply':>10} {'all':>7}"
+        f"{'batch':>5} {'sampler':>8} {'step ms':>8} {'constr ms':>9} {'fill ms':>8} {'advance ms':>10} "
+        f"{'apply ms':>8} {'worker +ms':>10} {'fill+apply':>10} {'all':>7}"
     )
     for r in rows:
-        print(
-            f"{r['batch']:>5} {r['decode_step_ms']:>8.2f} {r['constrained_step_ms']:>9.2f} {r['mask_fill_ms']:>8.3f} "
-            f"{r['matcher_advance_ms']:>10.3f} {r['mask_apply_ms']:>8.3f} {r['worker_extra_ms']:>10.3f} "
-            f"{r['mask_and_apply_of_step']:>10.1%} {r['overhead_of_step']:>7.1%}"
-        )
+        for name, prefix in (("unfused", "unfused_"), ("fused", "")):
+            step = r["unfused_step_ms"] if prefix else r["constrained_step_ms"]
+            apply_ms = r[f"{prefix or 'mask_'}apply_ms"]
+            print(
+                f"{r['batch']:>5} {name:>8} {r['decode_step_ms']:>8.2f} {step:>9.2f} {r['mask_fill_ms']:>8.3f} "
+                f"{r['matcher_advance_ms']:>10.3f} {apply_ms:>8.3f} {r[prefix + 'worker_extra_ms']:>10.3f} "
+                f"{(r['mask_fill_ms'] + apply_ms) / r['decode_step_ms']:>10.1%} {r[prefix + 'overhead_of_step']:>7.1%}"
+            )
     print(
         "step ms: a plain decode step (every row unconstrained); constr ms: the same step with every row under "
         "the schema; fill: the scheduler's masks; advance: feeding the sampled tokens to the matchers; apply: "
-        "the sampler's mask alone; worker +ms: constrained step less plain step; fill+apply: (fill + apply) / "
+        "the sampler's masked argmax alone; sampler: fused (the masks applied in the argmax's pass over the logits) "
+        "or unfused (the masks unpacked onto a float32 copy, then the argmax); worker +ms: constrained step less plain step; fill+apply: (fill + apply) / "
         "step; all: (fill + advance + worker +ms) / step"
     )
     RESULTS.mkdir(parents=True, exist_ok=True)

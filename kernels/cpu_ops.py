@@ -245,6 +245,14 @@ class CpuOps(ReferenceOps):
         except RuntimeError:
             return super().argmax(x)
 
+    def masked_argmax(self, x: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        # One pass over the logits reading the packed bits as they are: no unpacked mask, no float32 copy.
+        # Checks as argmax's: the kernel's own, anything else (another dtype, strided rows) is the reference's.
+        try:
+            return self._extension.masked_argmax_rows(x, masks, rows)
+        except RuntimeError:
+            return super().masked_argmax(x, masks, rows)
+
     def _decoder_stack(
         self,
         *,

@@ -206,6 +206,12 @@ class Ops(Protocol):
         equal, a NaN counting as the largest (torch.argmax over the last dimension)."""
         ...
 
+    def masked_argmax(self, x: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """argmax of x [R, V] with -inf on the tokens that structured outputs' packed masks ban: row rows[i]
+        (rows None: row i) may take token t only where bit t % 32 of masks[i, t // 32] (int32 [M, ceil(V / 32)])
+        is set; the other rows are argmax's. As argmax of x widened to float32 after that masked_fill."""
+        ...
+
 
 def linear_for(ops: Ops, dtype: torch.dtype) -> LinearKernels | None:
     """ops' own linear layer for weights of dtype, or None (PyTorch's linear then)."""

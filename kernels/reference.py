@@ -181,6 +181,31 @@ class ReferenceOps:
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
 
+    def masked_argmax(self, x: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        return mask_tokens(x, masks, rows).argmax(dim=-1)
+
+
+# Byte value -> which of its 8 tokens a packed token mask leaves out (bit j clear: token 8k + j banned).
+_BANNED_BITS = torch.tensor([[not (b >> j) & 1 for j in range(8)] for b in range(256)], dtype=torch.bool)
+_banned_bits_on: dict[torch.device, torch.Tensor] = {}
+
+
+def mask_tokens(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """A float32 copy of logits [R, V] with -inf on the tokens packed masks ban (see Ops.masked_argmax). Each
+    byte of the masks picks its 8 tokens' flags from a table in one gather; torch ops on any device."""
+    num_rows, vocab_size = logits.shape
+    table = _banned_bits_on.get(masks.device)
+    if table is None:
+        table = _banned_bits_on[masks.device] = _BANNED_BITS.to(masks.device)
+    # NOTE: little-endian words, so byte k holds tokens 8k .. 8k + 7, lowest bit first.
+    index = masks.contiguous().view(torch.uint8).reshape(-1).long()
+    banned = table.index_select(0, index).view(masks.shape[0], -1)[:, :vocab_size]
+    if rows is not None:
+        banned = banned.new_zeros((num_rows, vocab_size)).index_copy_(0, rows, banned)
+    # NOTE: a copy, filled in place: the raw logits serve the logprobs.
+    x = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    return x.masked_fill_(banned, float("-inf"))
+
 
 def _compute_dtype(query: torch.Tensor) -> torch.dtype:
     # bf16/fp16 are accumulated in float32: scores of a long context summed in bf16 lose digits.

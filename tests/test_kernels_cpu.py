@@ -15,6 +15,7 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_kernels_reference import (
@@ -542,6 +543,82 @@ def test_argmax_of_anything_else_is_torchs():
     assert torch.equal(CPU.argmax(x), x.argmax(dim=-1))
     t = torch.randn(40, 6).T
     assert torch.equal(CPU.argmax(t), t.argmax(dim=-1))
+
+
+def _masked_argmax_oracle(x: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """torch.argmax of x in float64 with -inf on each banned token, the bits unpacked by numpy."""
+    n = x.shape[1]
+    allowed = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")[:, :n].astype(bool)
+    rows = torch.arange(x.shape[0]) if rows is None else rows
+    y = x.double().clone()
+    for i, row in enumerate(rows.tolist()):
+        y[row, ~torch.from_numpy(allowed[i])] = float("-inf")
+    return y.argmax(dim=-1)
+
+
+def _grammar_like_masks(num: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Packed masks int32 [num, ceil(n / 32)]: runs of allowed and banned tokens of random lengths (as grammars
+    give), each mask's bits also flipped at random in a stretch (scattered bans inside runs)."""
+    bits = torch.zeros(num, -(-n // 32) * 32, dtype=torch.bool)
+    for i in range(num):
+        t, on = 0, bool(i % 2)
+        while t < n:
+            run = int(torch.randint(1, 200, (1,), generator=gen))
+            bits[i, t : t + run] = on
+            t, on = t + run, not on
+        lo = int(torch.randint(0, n, (1,), generator=gen))
+        flips = torch.rand(min(300, n - lo), generator=gen) < 0.3
+        bits[i, lo : lo + flips.numel()] ^= flips
+    bits[:, n:] = bool(num % 2)  # bits past the vocabulary count for nothing
+    packed = np.packbits(bits.numpy(), axis=1, bitorder="little")
+    return torch.from_numpy(packed.view(np.int32).copy())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 31, 32, 33, 100, 49152, 49155])
+def test_masked_argmax_is_the_argmax_of_the_masked_row(n, dtype):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(12, n, generator=gen).to(dtype)
+    masks = _grammar_like_masks(12, n, gen)
+    # Row 0: one token allowed, the last; row 1: none (index 0, as argmax of all -inf); row 2: all; row 3: a
+    # banned token far above the rest; row 4: ties among allowed tokens, and a banned NaN; row 5: an allowed
+    # NaN after a banned one; row 6: every allowed value -inf; row 7: +inf allowed twice.
+    masks[0] = 0
+    masks[0, (n - 1) // 32] = 1 << ((n - 1) % 32) if (n - 1) % 32 < 31 else -(2**31)
+    masks[1] = 0
+    masks[2] = -1
+    masks[3] = -1
+    masks[3, 0] = -2  # token 0 banned
+    x[3, 0] = 1000.0
+    x[4] = 0.25
+    masks[4] = -1
+    masks[4, 0] = -2
+    x[4, 0] = float("nan")
+    masks[5] = -1
+    masks[5, 0] = -2
+    x[5, 0] = x[5, n - 1] = float("nan")
+    masks[6] = -1
+    x[6] = float("-inf")
+    masks[7] = -1
+    x[7, n // 3] = x[7, n - 1] = float("inf")
+    expected = _masked_argmax_oracle(x, masks, None)
+    assert torch.equal(CPU.masked_argmax(x, masks, None), expected)
+    assert torch.equal(ReferenceOps().masked_argmax(x, masks, None), expected)
+    # Some rows constrained (in another order), the rest plain argmax; and a row view with a gap.
+    rows = torch.tensor([9, 2, 5, 0])
+    expected = _masked_argmax_oracle(x, masks[:4], rows)
+    assert torch.equal(CPU.masked_argmax(x, masks[:4], rows), expected)
+    assert torch.equal(ReferenceOps().masked_argmax(x, masks[:4], rows), expected)
+    wide = torch.randn(3, n + 7, generator=gen).to(dtype)[:, :n]
+    assert torch.equal(
+        CPU.masked_argmax(wide, masks[8:11], None), _masked_argmax_oracle(wide, masks[8:11], None)
+    )
+
+
+def test_masked_argmax_of_anything_else_is_the_references():
+    x = torch.randn(3, 40).half()
+    masks = torch.tensor([[5, 1], [-1, 0], [0, 128]], dtype=torch.int32)
+    assert torch.equal(CPU.masked_argmax(x, masks, None), _masked_argmax_oracle(x, masks, None))
 
 
 # ---- the linear layer of few rows ----------------------------------------------------------------------

@@ -285,8 +285,16 @@ def test_the_sampler_draws_only_tokens_the_mask_allows(device):
             meta.token_mask = (None, torch.from_numpy(every).to(device))
             tokens = sampler(logits.to(device), meta).token_ids.tolist()
             assert all(t in allowed[i] for i, t in enumerate(tokens)), tokens
-            if temperature == 0.0:  # the unmasked row keeps its own argmax
-                assert tokens[2] == int(logits[2].argmax())
+            if temperature == 0.0:  # each row's largest allowed logit (the unmasked row its own argmax)
+                assert tokens == [
+                    max(allowed[i], key=lambda t, i=i: float(logits[i, t])) for i in range(rows)
+                ]
+                # The same tokens from the general path (logprobs asked for), which masks a float32 copy.
+                with_logprobs = [SlotSamplingState(temperature=0.0, logprobs=0) for _ in range(rows)]
+                meta = SamplingMetadata.build(with_logprobs, vocab, device)
+                meta.token_mask = (None, torch.from_numpy(every).to(device))
+                assert not meta.masked_argmax_only
+                assert sampler(logits.to(device), meta).token_ids.tolist() == tokens
 
 
 # ---- the whole stack ----

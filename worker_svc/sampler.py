@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.kernels import get_ops
+from pagedserve.kernels.reference import mask_tokens
 from pagedserve.v1 import common_pb2
 
 # Temperatures below this are greedy (as vLLM's _SAMPLING_EPS).
@@ -141,15 +142,19 @@ class SamplingMetadata:
         return self.output_token_ids is None
 
     @property
+    def _greedy_alone(self) -> bool:
+        """Greedy rows with no penalty, no logit bias and no logprobs."""
+        return self.all_greedy and self.no_penalties and self.logit_bias is None and not self.any_logprobs
+
+    @property
     def argmax_only(self) -> bool:
         """Every row's token is the argmax of its logits (see SlotSamplingState.argmax_only)."""
-        return (
-            self.all_greedy
-            and self.no_penalties
-            and self.logit_bias is None
-            and not self.any_logprobs
-            and self.token_mask is None
-        )
+        return self._greedy_alone and self.token_mask is None
+
+    @property
+    def masked_argmax_only(self) -> bool:
+        """Every row's token is the argmax of its logits under its token mask, if it has one."""
+        return self._greedy_alone and self.token_mask is not None
 
     @property
     def no_top_k(self) -> bool:
@@ -321,7 +326,9 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu", seed: int | None = None):
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self.argmax = get_ops(self.device).argmax  # torch.argmax over rows, the CPU kernels' faster
+        ops = get_ops(self.device)
+        self.argmax = ops.argmax  # torch.argmax over rows, the CPU kernels' faster
+        self.masked_argmax = ops.masked_argmax
         # What a step without logprobs returns beside its tokens (see SamplerOutput), made once.
         empty = torch.empty(0, dtype=torch.float32, device=self.device)  # the logprobs' dtype
         self._no_logprobs = (empty, empty.long(), empty.long().view(0, 0), empty.view(0, 0))
@@ -337,6 +344,11 @@ class Sampler:
         # NOTE: logits come in the model's dtype. An argmax-only batch takes its argmax from them as they are
         # (that of their float32 widening, which is exact), sparing a float32 copy of the logits every step;
         # the rest works in float32.
+        if meta.masked_argmax_only:
+            # NOTE: greedy rows under token masks and nothing else: the masks are applied in the argmax's own
+            # pass over the logits, without the float32 copy the general path makes.
+            rows, words = meta.token_mask
+            return SamplerOutput(self.masked_argmax(logits, words, rows), *self._no_logprobs)
         # NOTE: every step below is out of place: the raw logits serve the logprobs at the end. A token mask
         # makes the float32 copy itself.
         x = apply_token_mask(logits, meta)
@@ -378,30 +390,13 @@ class Sampler:
         return self.argmax(probs / q)
 
 
-# Byte value -> which of its 8 tokens a mask leaves out (bit j clear: token 8k + j banned).
-_BANNED_BITS = torch.tensor([[not (b >> j) & 1 for j in range(8)] for b in range(256)], dtype=torch.bool)
-_banned_bits_on: dict[torch.device, torch.Tensor] = {}
-
-
 def apply_token_mask(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Structured outputs: a float32 copy of the logits with -inf on the tokens a constrained row's mask leaves
-    out (before bias and penalties, which cannot bring a token back). Each byte of the masks picks its 8
-    tokens' flags from a table in one gather; torch ops on any device."""
+    out (before bias and penalties, which cannot bring a token back)."""
     if meta.token_mask is None:
         return logits
     rows, words = meta.token_mask
-    num_rows, vocab_size = logits.shape
-    table = _banned_bits_on.get(words.device)
-    if table is None:
-        table = _banned_bits_on[words.device] = _BANNED_BITS.to(words.device)
-    # NOTE: little-endian words, so byte k holds tokens 8k .. 8k + 7, lowest bit first.
-    index = words.contiguous().view(torch.uint8).reshape(-1).long()
-    banned = table.index_select(0, index).view(words.shape[0], -1)[:, :vocab_size]
-    if rows is not None:
-        banned = banned.new_zeros((num_rows, vocab_size)).index_copy_(0, rows, banned)
-    # NOTE: a copy, filled in place: the raw logits serve the logprobs.
-    x = logits.float() if logits.dtype != torch.float32 else logits.clone()
-    return x.masked_fill_(banned, float("-inf"))
+    return mask_tokens(logits, words, rows)
 
 
 def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

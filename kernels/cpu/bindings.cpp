@@ -18,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_", &ps::paged_attention_,
         "Causal attention of a flat token batch over the paged KV cache", release_gil());
   m.def("argmax_rows", &ps::argmax_rows, "Index of the largest value of each row (as torch.argmax)");
+  m.def("masked_argmax_rows", &ps::masked_argmax_rows,
+        "argmax_rows with -inf on the tokens that packed bit masks ban, the bits read as they are");
   m.def("copy_blocks_", &ps::copy_blocks_, "Block src[i] to dst[i] in every cache, in order");
   m.def("rms_norm", &ps::rms_norm, "RMSNorm of the rows of x");
   m.def("silu_mul", &ps::silu_mul, "silu(gate) * up of gate_up [..., 2 * I], gate first");

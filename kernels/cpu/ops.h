@@ -23,6 +23,9 @@ std::vector<int64_t> paged_attention_(at::Tensor& out, const at::Tensor& query, 
                                       const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                                       double scale, int64_t max_pairs, int64_t min_tile_lanes);
 at::Tensor argmax_rows(const at::Tensor& x);
+// argmax_rows with -inf on the tokens the packed masks [R, ceil(n / 32)] ban in rows (int64 [R]; None: all).
+at::Tensor masked_argmax_rows(const at::Tensor& x, const at::Tensor& masks,
+                              const c10::optional<at::Tensor>& rows);
 void copy_blocks_(const std::vector<at::Tensor>& caches, const at::Tensor& src, const at::Tensor& dst);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
