@@ -51,3 +51,19 @@ def tokenizer():
     from pagedserve.model_files import resolve_model
 
     return Tokenizer.from_model_dir(resolve_model("default"))
+
+
+@pytest.fixture(autouse=True)
+def _kernels_left_as_found():
+    """The CPU kernels' batch invariance is a switch of the process (an engine built with deterministic=True
+    sets it): each test leaves it as it found it, so a later test's kernels run their usual bodies."""
+    from pagedserve import kernels
+
+    loaded = kernels._load_cpu_ops.cache_info().currsize > 0
+    ops = kernels._load_cpu_ops() if loaded else None
+    before = ops.batch_invariant if ops is not None else False
+    yield
+    if kernels._load_cpu_ops.cache_info().currsize > 0:
+        ops = kernels._load_cpu_ops()
+        if ops is not None and ops.batch_invariant != before:
+            ops.batch_invariant = before

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -375,3 +376,9 @@ def stream_completion(
                     chunks += 1
                 finish = choice["finish_reason"] or finish
     return "".join(text), chunks, finish
+
+
+def sse_lines(text: str) -> list[str]:
+    """The lines of an event stream, as SSE ends them: at \\r\\n, \\r or \\n only (str.splitlines also ends a
+    line at \\x85, \\u2028 and others, which the JSON of a generated text may hold unescaped)."""
+    return re.split(r"\r\n|\r|\n", text)

@@ -32,7 +32,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stack_testing import MODEL, Stack, assert_openai_error, running, wait_for
+from stack_testing import MODEL, Stack, assert_openai_error, running, sse_lines, wait_for
 
 from pagedserve.v1 import common_pb2, text_generation_pb2, text_generation_pb2_grpc
 
@@ -132,7 +132,7 @@ def check_http(response: httpx.Response, body: Any) -> int:
     if response.status_code >= 400:
         assert_openai_error(response)
     elif response.headers["content-type"].startswith("text/event-stream"):
-        events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+        events = [line.removeprefix("data: ") for line in sse_lines(response.text) if line]
         assert events[-1] == "[DONE]", what
         assert not any("error" in json.loads(e) for e in events[:-1]), what
     else:
@@ -730,7 +730,7 @@ def test_past_the_request_timeout_the_client_gets_504_or_an_error_event_and_the_
         stack.wait_idle(timeout=30)
         response = client.post("/v1/completions", json={**LONG, "stream": True})
         if response.status_code == 200:  # tokens came before the deadline: the stream ends with its error
-            events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+            events = [line.removeprefix("data: ") for line in sse_lines(response.text) if line]
             assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "timeout"
         else:  # a loaded machine's first token came after it: nothing was streamed yet, so a plain 504
             assert assert_openai_error(response, 504)["type"] == "timeout"

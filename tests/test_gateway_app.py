@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 import anyio
 import httpx
 import pytest
+from stack_testing import sse_lines
 
 from pagedserve import __version__
 from pagedserve.errors import OverloadedError, PagedServeError, UnavailableError
@@ -331,7 +332,7 @@ async def test_a_stream_past_its_deadline_ends_with_an_error_event_then_done(tok
     async with client(tokenizer, engine=engine, request_timeout=0.3) as c:
         response = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "stream": True})
         assert response.status_code == 200
-        events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+        events = [line.removeprefix("data: ") for line in sse_lines(response.text) if line]
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["type"] == "timeout"
         assert json.loads(events[0])["choices"][0]["text"]  # the token before the deadline came through

@@ -8,7 +8,14 @@ from pagedserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# Drafts at every batch size (disable_by_batch_size lifted): the 12 prompts run together.
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2,
+    "disable_by_batch_size": None,
+}
 # The first 20 of the default model's 30 layers draft 3 tokens, in every step.
 LAYERS_SPEC = {
     "method": "draft_layers",
