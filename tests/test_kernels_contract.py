@@ -44,6 +44,7 @@ def test_the_contract_names_every_op_the_worker_calls():
         "add_rms_norm_",
         "argmax",
         "copy_blocks",
+        "masked_argmax",
         "paged_decode_attention",
         "paged_prefill_attention",
         "rms_norm",
