@@ -1,6 +1,7 @@
-"""Deterministic decoding (--deterministic, LLM(deterministic=True)): a request's tokens are the same alone,
-inside a batch of 32 other requests, with its prompt chunked at several sizes and after a preemption and its
-recompute, in bf16 and float32, greedy and seeded. The default model through the offline LLM, which runs the
+"""Deterministic decoding (--deterministic, LLM(deterministic=True)): a request's tokens, and the bits of each
+sampled token's log-probability, are the same alone, inside a batch of 32 other requests, with its prompt
+chunked at several sizes and after a preemption and its recompute, in bf16 and float32, greedy and seeded
+(the log-probabilities make a rounding that did not flip a token fail the test too). The default model through the offline LLM, which runs the
 scheduler, the plans and the worker's runner exactly as served (the failover is tests/test_fault_tolerance.py).
 """
 
@@ -22,18 +23,13 @@ LONG = " ".join(
     f"Day {i}: the lighthouse keeper counted {i * 7 % 13} ships, wrote down the wind, and slept."
     for i in range(40)
 )
-# The requests under test: greedy and seeded, a short prompt and a long one.
+# The requests under test: greedy and seeded, a short prompt and a long one, with their tokens' logprobs.
+TARGET = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "logprobs": 0}
 TARGETS = [
-    ("The capital of France is", SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)),
-    (LONG, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)),
-    (
-        "Once upon a time",
-        SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True),
-    ),
-    (
-        LONG + " Then",
-        SamplingParams(temperature=0.8, top_k=40, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True),
-    ),
+    ("The capital of France is", SamplingParams(temperature=0.0, **TARGET)),
+    (LONG, SamplingParams(temperature=0.0, **TARGET)),
+    ("Once upon a time", SamplingParams(temperature=0.9, top_p=0.95, seed=7, **TARGET)),
+    (LONG + " Then", SamplingParams(temperature=0.8, top_k=40, seed=3, **TARGET)),
 ]
 
 
@@ -50,9 +46,21 @@ def _others(count: int) -> list[tuple[str, SamplingParams]]:
     return others
 
 
-def _tokens(llm: LLM, requests: list[tuple[str, SamplingParams]]) -> list[list[int]]:
+def _tokens(llm: LLM, requests: list[tuple[str, SamplingParams]]) -> list[list]:
+    """Each request's tokens, with each sampled token's logprob where it asked for them."""
     outputs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return [
+        list(
+            zip(
+                c.token_ids,
+                [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)],
+                strict=True,
+            )
+        )
+        if c.logprobs is not None
+        else list(c.token_ids)
+        for c in (o.outputs[0] for o in outputs)
+    ]
 
 
 def _targets_within(llm: LLM, others: list[tuple[str, SamplingParams]]) -> list[list[int]]:

@@ -300,16 +300,19 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
     the prompt token that follows it)."""
     assert logits.dim() == 2 and token_ids.shape == (logits.shape[0],)
     logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    # NOTE: torch splits a row's reduction among threads when the rows are few, so a float32 logsumexp's
+    # bits depend on how many rows the step holds; summed in float64, the float32 result is the same in any
+    # batch (batch invariance, --deterministic) and closer to the exact value.
+    lse = torch.logsumexp(logits.double(), dim=-1, keepdim=True)
     chosen = logits.gather(1, token_ids.view(-1, 1))
     ranks = (logits > chosen).sum(dim=-1) + 1
     if num_top > 0:
         top_values, top_ids = logits.topk(min(num_top, logits.shape[1]), dim=-1)
-        top_logprobs = top_values - lse
+        top_logprobs = (top_values - lse).float()
     else:
         top_ids = logits.new_empty((logits.shape[0], 0), dtype=torch.int64)
         top_logprobs = logits.new_empty((logits.shape[0], 0))
-    return TokenLogprobs((chosen - lse).squeeze(1), ranks, top_ids, top_logprobs)
+    return TokenLogprobs((chosen - lse).float().squeeze(1), ranks, top_ids, top_logprobs)
 
 
 @dataclass(slots=True)
