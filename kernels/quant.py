@@ -115,6 +115,9 @@ def scale_kind(q: QuantizedWeight) -> int:
     return SCALE_F32
 
 
+_INT4_LOW, _INT4_HIGH = torch.tensor([0, 4, 1, 5]), torch.tensor([2, 6, 3, 7])
+
+
 def pack_quant_weight(q: QuantizedWeight) -> torch.Tensor:
     """uint8 [64 + blocks * block_bytes]: the header, then blocks of 16 output columns, each its groups'
     scales (and offsets) padded to 64 bytes, then its codes (the layout of kernels/cpu/linear_quant.h)."""
@@ -142,12 +145,11 @@ def pack_quant_weight(q: QuantizedWeight) -> torch.Tensor:
 
     codes = padded(q.codes)
     if q.bits == 4:
-        # [blocks, K / 8, 16, 8] -> one int32 lane per column and 8 k: k 2p at bit 4p, k 2p + 1 at bit 16 + 4p
-        c = codes.view(blocks, BLOCK, k // 8, 8).permute(0, 2, 1, 3).to(torch.int64)
-        shifts = torch.tensor([4 * (i // 2) + 16 * (i % 2) for i in range(8)], dtype=torch.int64)
-        lanes = (c << shifts).sum(dim=-1)
-        lanes = torch.where(lanes >= 2**31, lanes - 2**32, lanes).to(torch.int32)
-        code_bytes = lanes.contiguous().view(torch.uint8).view(blocks, -1)
+        # [blocks, K / 8, 16, 8] -> one int32 lane per column and 8 k: k 2p at bit 4p, k 2p + 1 at bit 16 + 4p,
+        # so its little-endian bytes hold k (0, 2), (4, 6), (1, 3), (5, 7), the first of each pair low
+        c = codes.view(blocks, BLOCK, k // 8, 8).permute(0, 2, 1, 3)
+        low, high = c[..., _INT4_LOW], c[..., _INT4_HIGH]
+        code_bytes = (low | (high << 4)).reshape(blocks, -1)
     else:
         code_bytes = codes.view(blocks, BLOCK, k).permute(0, 2, 1).contiguous().view(torch.uint8)
         code_bytes = code_bytes.view(blocks, -1)

@@ -164,9 +164,7 @@ def _llama_row_order(rows: int, heads: int) -> torch.Tensor:
 def read_gguf_linears(gguf_path: Path, config: ModelConfig) -> dict[str, QuantizedWeight]:
     """Our fused linear modules' quantized weights (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head; a
     tied head from token_embd), for the tensors of a kept type; the others are left to the converted copy."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = _gguf_reader(gguf_path)
     arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
     shards: dict[str, dict[int, QuantizedWeight]] = {}
     for tensor in reader.tensors:
@@ -188,15 +186,35 @@ def read_gguf_linears(gguf_path: Path, config: ModelConfig) -> dict[str, Quantiz
                 f"{gguf_path.name}: {tensor.name} is {kind}; kept quantized: {', '.join(GGUF_KEPT_TYPES)}"
             )
         cols, rows = (int(s) for s in tensor.shape[:2])  # gguf lists the fastest dimension first
+        raw = tensor.data
+        if arch == "llama" and parts[-2:-1] and parts[-2] in ("attn_q", "attn_k"):
+            # the rows' blocks are independent: permuting the raw rows permutes the weight's
+            heads = config.num_heads if parts[-2] == "attn_q" else config.num_kv_heads
+            raw = np.asarray(raw).reshape(rows, -1)[_llama_row_order(rows, heads).numpy()]
         try:
-            q = gguf_block(tensor.data, kind, rows, cols)
+            q = gguf_block(raw, kind, rows, cols)
         except ValueError as error:
             raise ValueError(f"{gguf_path.name}: {tensor.name}: {error}") from error
-        if arch == "llama" and parts[-2:-1] and parts[-2] in ("attn_q", "attn_k"):
-            heads = config.num_heads if parts[-2] == "attn_q" else config.num_kv_heads
-            q = q.rows(_llama_row_order(rows, heads))
         shards.setdefault(module, {})[shard] = q
     return {name: _fuse(name, parts) for name, parts in shards.items()}
+
+
+def _gguf_reader(path: Path) -> Any:
+    """gguf's reader over the file's bytes as a plain ndarray rather than its np.memmap: the reader slices
+    the header once per metadata string (a tokenizer's whole vocabulary), and a memmap's slicing costs
+    several times an ndarray's. The tensors' data are views of the same mapping."""
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._bytes
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:
+            self._bytes = mapped.view(np.ndarray)
+
+    return Reader(str(path))
 
 
 def _fuse(name: str, parts: dict[int, QuantizedWeight]) -> QuantizedWeight:
