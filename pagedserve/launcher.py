@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         default="auto",
         choices=QUANTIZATION_CHOICES,
-        help="quantized checkpoints: auto (GPTQ and AWQ kept quantized, a GGUF dequantized), gguf (a GGUF kept quantized), none (dequantized)",
+        help="quantized checkpoints: auto (GPTQ, AWQ and compressed-tensors kept quantized, a GGUF dequantized), gguf (a GGUF kept quantized), none (dequantized)",
     )
     parser.add_argument("--device", default="auto", help="worker torch device")
     parser.add_argument("--kv-cache-memory", default=None, help="KV pool budget per worker, e.g. 2GiB")

@@ -1,4 +1,5 @@
-"""GPTQ and AWQ checkpoints of a Llama written the way AutoGPTQ and AutoAWQ write them, for the tests.
+"""GPTQ, AWQ and compressed-tensors checkpoints of a Llama written the way AutoGPTQ, AutoAWQ and
+llm-compressor (with compressed-tensors' own compressors) write them, for the tests.
 
 Each linear weight is quantized by rounding to the nearest code (the formats, not the GPTQ or AWQ search
 for the codes), then packed as the references pack: AutoGPTQ's QuantLinear.pack (qweight [K / (32 / bits),
@@ -130,3 +131,81 @@ def write_quantized(
         folder.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
         (folder / "config.json").write_text(json.dumps(conf))
+
+
+def write_compressed_tensors(
+    state: dict[str, torch.Tensor],
+    config: dict,
+    out: Path,
+    reference: Path,
+    bits: int = 4,
+    strategy: str = "group",
+    group: int | None = 64,
+    sym: bool = True,
+    fmt: str = "pack-quantized",
+    ignore: tuple[str, ...] = ("lm_head",),
+) -> None:
+    """Writes `state` as llm-compressor writes a W4A16 or W8A16 checkpoint: every Linear but those `ignore`
+    names quantized by compressed-tensors' own round-to-nearest (calculate_qparams over each group's min and
+    max, then its compressor: PackedQuantizationCompressor or NaiveQuantizationCompressor), the other tensors
+    in bf16, and its QuantizationConfig as quantization_config. The reference folder holds the same weights
+    in float32: the checkpoint's codes, unpacked by compressed-tensors' unpack_from_int32, as s (q - z)."""
+    from compressed_tensors.compressors import NaiveQuantizationCompressor, PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(
+        num_bits=bits,
+        type="int",
+        symmetric=sym,
+        strategy=strategy,
+        group_size=group if strategy == "group" else None,
+    )
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    compressor = PackedQuantizationCompressor if fmt == "pack-quantized" else NaiveQuantizationCompressor
+    quantized, plain = {}, {}
+    for name, w in state.items():
+        w = w.to(torch.bfloat16)
+        module = name.removesuffix(".weight")
+        parts = module.split(".")
+        linear = name.endswith(".weight") and (parts[-1] in PROJECTIONS or module == "lm_head")
+        if not linear or any(module == i or module.endswith("." + i) for i in ignore):
+            quantized[name], plain[name] = w, w.float()
+            continue
+        n, k = w.shape
+        size = group if strategy == "group" else k
+        wg = w.view(1, 1, n * k) if strategy == "tensor" else w.view(n, k // size, size)
+        scale, zero = calculate_qparams(wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0), args)
+        if strategy == "tensor":  # one scale (and zero point) for the whole weight
+            scale, zero = scale.reshape(1), zero.reshape(1)
+        tensors = {"weight": w, "weight_scale": scale}
+        if not sym:
+            tensors["weight_zero_point"] = zero
+        tensors = compressor.compress(tensors, scheme)
+        for part, t in tensors.items():
+            quantized[f"{module}.{part}"] = t
+        if fmt == "pack-quantized":
+            q = unpack_from_int32(tensors["weight_packed"], bits, torch.Size([n, k]))
+            if not sym and strategy != "tensor":  # zero points packed along N
+                zero = unpack_from_int32(tensors["weight_zero_point"], bits, scale.shape, packed_dim=0)
+        else:
+            q = tensors["weight"]
+        groups = 1 if strategy == "tensor" else k // size
+        z = _per_weight(zero, groups, size) if not sym else 0.0
+        plain[name] = (_per_weight(scale, groups, size) * (q.float() - z)).expand(n, k).contiguous()
+    qc = QuantizationConfig(
+        config_groups={"group_0": scheme}, format=fmt, ignore=list(ignore), quantization_status="compressed"
+    ).to_dict()
+    for folder, tensors, conf in (
+        (out, quantized, config | {"quantization_config": qc, "torch_dtype": "bfloat16"}),
+        (reference, plain, config),
+    ):
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps(conf))
+
+
+def _per_weight(t: torch.Tensor, groups: int, size: int) -> torch.Tensor:
+    """[N or 1, groups] scales or zero points, each repeated over its group's `size` columns."""
+    return t.float().reshape(-1, groups).repeat_interleave(size, 1)

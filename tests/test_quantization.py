@@ -308,6 +308,110 @@ def test_malformed_gptq_checkpoints_fail_at_load_naming_the_tensor(small_llama, 
         load_model(tmp_path / "q", torch.float32, "cpu")
 
 
+# --- compressed-tensors checkpoints -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bits, strategy, group, sym, fmt, ignore",
+    [
+        (4, "group", 32, True, "pack-quantized", ("lm_head",)),
+        # a k_proj left in float: its q/k/v loads dequantized, the rest quantized
+        (4, "group", 64, False, "pack-quantized", ("lm_head", "model.layers.0.self_attn.k_proj")),
+        (4, "channel", None, True, "pack-quantized", ("lm_head",)),
+        (8, "tensor", None, False, "pack-quantized", ("lm_head",)),
+        (8, "group", 128, False, "pack-quantized", ()),  # the LM head quantized too
+        (8, "group", 64, False, "naive-quantized", ("lm_head",)),
+    ],
+)
+def test_compressed_tensors_checkpoint_matches_its_dequantized_float32_model(
+    small_llama, tmp_path, bits, strategy, group, sym, fmt, ignore
+):
+    """llm-compressor's W4A16 / W8A16 checkpoints, written by compressed-tensors' own compressors: the same
+    logits as the float32 model of the weights its unpacking gives, and the same greedy tokens."""
+    pytest.importorskip("compressed_tensors")
+    from quant_checkpoints import write_compressed_tensors
+    from test_model import _greedy
+
+    from pagedserve.worker_svc.loader import load_model
+    from pagedserve.worker_svc.model import QuantLinear
+
+    _quant_kernels()
+    state, config = small_llama
+    write_compressed_tensors(
+        state, config, tmp_path / "q", tmp_path / "ref", bits, strategy, group, sym, fmt, ignore
+    )
+    assert detect_quantization(tmp_path / "q") == "compressed-tensors"
+    model = load_model(tmp_path / "q", torch.float32, "cpu", quantization="compressed-tensors")
+    ref = load_model(tmp_path / "ref", torch.float32, "cpu")
+    assert isinstance(model.layers[1].mlp.down_proj, QuantLinear)
+    assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear) == ("k_proj" not in str(ignore))
+    assert isinstance(model.lm_head, QuantLinear) == ("lm_head" not in ignore)
+    tokens = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 1, 17)]
+    torch.testing.assert_close(_logits(model, tokens), _logits(ref, tokens), atol=1e-4, rtol=1e-4)
+    prompts = [[1, 5, 9, 33, 70], [200, 3]]
+    assert _greedy(model, prompts, 6) == _greedy(ref, prompts, 6)
+    if fmt == "naive-quantized":  # and read dequantized (--quantization none): the reference itself
+        dense = load_model(tmp_path / "q", torch.float32, "cpu", quantization="none")
+        assert not any(isinstance(m, QuantLinear) for m in dense.modules())
+        torch.testing.assert_close(_logits(dense, tokens), _logits(ref, tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_malformed_compressed_tensors_checkpoints_fail_at_load_naming_the_field(small_llama, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from quant_checkpoints import write_compressed_tensors
+    from safetensors.torch import load_file, save_file
+
+    from pagedserve.worker_svc.loader import load_model
+
+    state, config = small_llama
+    write_compressed_tensors(state, config, tmp_path / "q", tmp_path / "ref", 4, "group", 64, sym=False)
+    path, conf_path = tmp_path / "q" / "model.safetensors", tmp_path / "q" / "config.json"
+    tensors, conf = load_file(str(path)), json.loads(conf_path.read_text())
+
+    def fails(match, edit_tensors=None, edit_config=None):
+        t, c = dict(tensors), json.loads(json.dumps(conf))
+        if edit_tensors:
+            edit_tensors(t)
+        if edit_config:
+            edit_config(c["quantization_config"])
+        save_file(t, str(path))
+        conf_path.write_text(json.dumps(c))
+        with pytest.raises(ValueError, match=match):
+            load_model(tmp_path / "q", torch.float32, "cpu")
+
+    weights = lambda qc: qc["config_groups"]["group_0"]["weights"]  # noqa: E731
+    fails(
+        r"config_groups\.group_0\.weights: num_bits 3", edit_config=lambda qc: weights(qc).update(num_bits=3)
+    )
+    fails(r"weights\.strategy 'block'", edit_config=lambda qc: weights(qc).update(strategy="block"))
+    fails(r"group_size None", edit_config=lambda qc: weights(qc).update(group_size=None))
+    fails(r"format 'marlin-24'", edit_config=lambda qc: qc.update(format="marlin-24"))
+    fails(r"config_groups None", edit_config=lambda qc: qc.update(config_groups=None))
+    fails(
+        r"input_activations: activation quantization",
+        edit_config=lambda qc: qc["config_groups"]["group_0"].update(input_activations={"num_bits": 8}),
+    )
+    k_proj = "model.layers.1.self_attn.k_proj"
+    fails(
+        r"layers\.1\.self_attn\.k_proj\.weight_scale: shape \(64, 4\), expected \(64, 2\)",
+        edit_tensors=lambda t: t.update({f"{k_proj}.weight_scale": t[f"{k_proj}.weight_scale"].repeat(1, 2)}),
+    )
+    fails(
+        r"layers\.1\.self_attn\.k_proj\.weight_zero_point is missing",
+        edit_tensors=lambda t: t.pop(f"{k_proj}.weight_zero_point"),
+    )
+    fails(
+        r"layers\.1\.self_attn\.k_proj\.weight_packed: shape \(64, 8\), expected \(64, 16\)",
+        edit_tensors=lambda t: t.update(
+            {f"{k_proj}.weight_packed": t[f"{k_proj}.weight_packed"][:, :8].contiguous()}
+        ),
+    )
+    fails(  # quantized tensors for a module the config ignores
+        r"layers\.1\.self_attn\.k_proj: quantized tensors in the checkpoint, but .*config_groups has no scheme",
+        edit_config=lambda qc: qc.update(ignore=["lm_head", k_proj]),
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_default_model_shape_gptq_and_awq_decode_as_their_dequantized_models(

@@ -28,7 +28,7 @@ DEFAULT_DETERMINISTIC = False
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --quantization: the checkpoint's own (auto), dequantized (none), or a method the checkpoint must have.
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gptq", "awq")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "gptq", "awq", "compressed-tensors")
 
 _UNITS = {
     "": 1,
@@ -71,8 +71,9 @@ class WorkerConfig(ServiceTLSFields):
     # Weights' and KV cache's dtype; "auto": bfloat16 on CUDA and where the CPU runs it faster
     # (loader.cpu_prefers_bf16), else float32.
     dtype: str = "auto"
-    # Weights of a quantized checkpoint (GGUF, GPTQ, AWQ): "auto" keeps them quantized (the activations in
-    # dtype), "none" dequantizes them at load; or the checkpoint's own method named ("gguf", "gptq", "awq").
+    # Weights of a quantized checkpoint (GGUF, GPTQ, AWQ, compressed-tensors): "auto" keeps them quantized (the
+    # activations in dtype), "none" dequantizes them at load; or the checkpoint's own method named ("gguf",
+    # "gptq", "awq", "compressed-tensors").
     quantization: str = "auto"
     # torch device ("cpu", "cuda", "cuda:1"); "auto": cuda when available, else cpu.
     device: str = "auto"
@@ -202,7 +203,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add(
         "--quantization",
         str,
-        "quantized checkpoint weights: auto (GPTQ and AWQ kept quantized, a GGUF dequantized), gguf (a GGUF kept quantized), none (dequantized)",
+        "quantized checkpoint weights: auto (GPTQ, AWQ and compressed-tensors kept quantized, a GGUF dequantized), gguf (a GGUF kept quantized), none (dequantized)",
         default="auto",
         choices=QUANTIZATION_CHOICES,
     )

@@ -18,11 +18,11 @@ from pagedserve.kernels.quant import QuantizedWeight, dequantize
 from pagedserve.worker_svc.model import CausalLM, ModelConfig, can_pack_linears, can_quantize_linears
 from pagedserve.worker_svc.parallel import ParallelGroup, shard_config
 from pagedserve.worker_svc.quantization import (
-    QUANT_SUFFIXES,
-    QuantConfig,
+    SAFETENSORS_METHODS,
     detect_quantization,
     fuse_quantized_modules,
     gguf_source,
+    quant_config,
     read_gguf_linears,
     read_quantized_module,
     resolve_quantization,
@@ -101,19 +101,21 @@ def load_model(
     start = time.perf_counter()
     model_dir = Path(model_dir)
     method = resolve_quantization(model_dir, quantization)
-    if group is not None and (method is not None or detect_quantization(model_dir) in ("gptq", "awq")):
+    if group is not None and (method is not None or detect_quantization(model_dir) in SAFETENSORS_METHODS):
         raise ValueError(
             f"{model_dir.name}: tensor parallelism does not shard quantized weights yet; a GGUF model shards "
-            "dequantized (--quantization auto or none), a GPTQ or AWQ checkpoint serves on one rank"
+            "dequantized (--quantization auto or none), a GPTQ, AWQ or compressed-tensors checkpoint serves on "
+            "one rank"
         )
     full = read_model_config(model_dir)
     config = full if group is None else shard_config(full, group.size)
     model = CausalLM(config, dtype, device, ops)
     if group is not None:
         group.parallelize(model, full)
-    # GPTQ and AWQ tensors are read whether kept quantized or not (then dequantized into the weights).
-    qc = QuantConfig.from_config(model_dir) if detect_quantization(model_dir) in ("gptq", "awq") else None
-    quant_parts: dict[str, dict[str, torch.Tensor]] = {}  # HF module -> its qweight, qzeros, scales, g_idx
+    # GPTQ, AWQ and compressed-tensors tensors are read whether kept quantized or not (then dequantized
+    # into the weights).
+    qc = quant_config(model_dir)
+    quant_parts: dict[str, dict[str, torch.Tensor]] = {}  # HF module -> its qweight, qzeros, scales, ...
     if method is not None and not can_quantize_linears(model.ops, dtype, torch.device(device)):
         log.warning(
             "%s is %s-quantized but the kernels have no quantized linear for %s on %s: loading it dequantized",
@@ -142,11 +144,11 @@ def load_model(
                 continue
             name = hf_name.removeprefix("model.")
             module, _, suffix = name.rpartition(".")
-            if qc is not None and suffix in QUANT_SUFFIXES and module.rpartition(".")[2] in _HF_SHAPES:
+            if module == "lm_head" and config.tie_word_embeddings:
+                continue  # some exporters write the tied head anyway
+            if qc is not None and qc.holds(suffix, tensor) and module.rpartition(".")[2] in _HF_SHAPES:
                 quant_parts.setdefault(module, {})[suffix] = tensor
                 continue
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue  # some exporters write the tied head anyway
             if group is not None:
                 tensor = group.shard(full, name, tensor)
             shard = None
@@ -167,18 +169,19 @@ def load_model(
             missing.discard((name, shard))
         quantized, fused_of = {}, {}
         for module, parts in quant_parts.items():
-            parent, _, proj = module.rpartition(".")
+            proj = module.rpartition(".")[2]
             quantized[module] = read_quantized_module(module, parts, qc, *_HF_SHAPES[proj](config))
-            fused, shard = _FUSED.get(proj, (proj, None))
-            fused_of[module] = f"{parent}.{fused}"
-            missing.discard((f"{parent}.{fused}.weight", shard))
+            fused_of[module], shard = _fused_module(module)
+            missing.discard((f"{fused_of[module]}.weight", shard))
         weights, perms, unfused = fuse_quantized_modules(quantized)
         for module, (weight, perm) in quantized.items():
             if method is None or fused_of[module] in unfused:
                 _dequantize_into(params, config, module, weight, perm)
         if method is not None and unfused:
             log.warning(
-                "%s: %s load dequantized (their shards' column orders differ)", model_dir.name, unfused
+                "%s: %s load dequantized (their shards' column orders differ, or not all are quantized)",
+                model_dir.name,
+                unfused,
             )
     if missing:
         names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
@@ -214,7 +217,16 @@ _HF_SHAPES = {
     "gate_proj": lambda c: (c.intermediate_size, c.hidden_size),
     "up_proj": lambda c: (c.intermediate_size, c.hidden_size),
     "down_proj": lambda c: (c.hidden_size, c.intermediate_size),
+    "lm_head": lambda c: (c.vocab_size, c.hidden_size),  # an untied head quantized too
 }
+
+
+def _fused_module(module: str) -> tuple[str, int | None]:
+    """The model's module an HF module's weight loads into (layers.0.self_attn.k_proj -> qkv_proj), and
+    its shard there (None: the whole weight)."""
+    parent, _, proj = module.rpartition(".")
+    fused, shard = _FUSED.get(proj, (proj, None))
+    return f"{parent}.{fused}" if parent else fused, shard
 
 
 def _dequantize_into(
@@ -229,11 +241,10 @@ def _dequantize_into(
     w = dequantize(weight)
     if perm is not None:
         w = torch.empty_like(w).index_copy_(1, perm, w)
-    parent, _, proj = module.rpartition(".")
-    fused, shard = _FUSED.get(proj, (proj, None))
-    target = params[f"{parent}.{fused}.weight"]
+    fused, shard = _fused_module(module)
+    target = params[f"{fused}.weight"]
     if shard is not None:
-        target = target.narrow(0, *_shard_rows(config, f"{fused}", shard))
+        target = target.narrow(0, *_shard_rows(config, fused, shard))
     target.copy_(w)
 
 

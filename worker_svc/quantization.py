@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,13 @@ from pagedserve.worker_svc.model import ModelConfig
 log = logging.getLogger(__name__)
 
 
+# Methods whose quantized tensors are in the checkpoint's safetensors (config.json quantization_config).
+SAFETENSORS_METHODS = ("gptq", "awq", "compressed-tensors")
+
+
 def detect_quantization(model_dir: Path | str) -> str | None:
-    """The quantization a model folder carries: "gptq" or "awq" from config.json's quantization_config,
+    """The quantization a model folder carries: "gptq", "awq" or "compressed-tensors" from config.json's
+    quantization_config,
     "gguf" for a folder converted from a GGUF file that is still there, else None (plain weights)."""
     model_dir = Path(model_dir)
     config = _read_json(model_dir / "config.json")
@@ -42,8 +48,10 @@ def detect_quantization(model_dir: Path | str) -> str | None:
         if not isinstance(qc, dict) or "quant_method" not in qc:
             raise ValueError(f"{model_dir}/config.json: quantization_config has no quant_method")
         method = str(qc["quant_method"]).lower()
-        if method not in ("gptq", "awq"):
-            raise ValueError(f"{model_dir}/config.json: unsupported quant_method {method!r} (gptq or awq)")
+        if method not in SAFETENSORS_METHODS:
+            raise ValueError(
+                f"{model_dir}/config.json: unsupported quant_method {method!r} ({', '.join(SAFETENSORS_METHODS)})"
+            )
         return method
     source = gguf_source(model_dir)
     return "gguf" if source is not None else None
@@ -252,6 +260,10 @@ class QuantConfig:
     group_size: int  # k of a group; -1: all of K
     v1_zeros: bool  # GPTQ's v1 format: stored zero points are one less than the real ones
 
+    def holds(self, suffix: str, tensor: torch.Tensor) -> bool:
+        """Whether a projection's tensor of this suffix is one of its quantized parts."""
+        return suffix in QUANT_SUFFIXES
+
     @classmethod
     def from_config(cls, model_dir: Path) -> QuantConfig:
         qc = _read_json(Path(model_dir) / "config.json").get("quantization_config") or {}
@@ -296,11 +308,18 @@ def _awq_unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 def read_quantized_module(
-    name: str, parts: dict[str, torch.Tensor], qc: QuantConfig, out_features: int, in_features: int
+    name: str,
+    parts: dict[str, torch.Tensor],
+    qc: QuantConfig | CompressedTensorsConfig,
+    out_features: int,
+    in_features: int,
 ) -> tuple[QuantizedWeight, torch.Tensor | None]:
-    """A GPTQ or AWQ module's tensors (qweight, qzeros, scales, g_idx) as codes, scales and offsets
+    """A GPTQ or AWQ module's tensors (qweight, qzeros, scales, g_idx; a compressed-tensors module's
+    weight_packed, weight_scale, ...) as codes, scales and offsets
     (w = s (q - z) exactly), and the permutation of x's columns its codes' K order needs (GPTQ desc_act), or
     None. Raises a ValueError naming the tensor for a missing part or a shape that does not fit."""
+    if isinstance(qc, CompressedTensorsConfig):
+        return _read_compressed_tensors(name, parts, qc, out_features, in_features)
     n, k = out_features, in_features
     group = k if qc.group_size == -1 else qc.group_size
     groups, per = -(-k // group), 32 // qc.bits  # a last group may be shorter (K not a multiple)
@@ -337,13 +356,30 @@ def read_quantized_module(
             _awq_unpack(parts["qzeros"]),
             torch.arange(k) // group,
         )
+    return _grouped_weight(f"{name}.g_idx", q, zeros, scales, g_idx, qc.bits, group)
+
+
+def _grouped_weight(
+    g_idx_name: str,
+    q: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+    bits: int,
+    group: int,
+) -> tuple[QuantizedWeight, torch.Tensor | None]:
+    """w = s (q - z) from unsigned codes q [K, N], zero points [G, N], float32 scales [G, N] and the group of
+    each input column: the QuantizedWeight and the permutation of x's columns the codes' order needs (act
+    order), or None."""
+    k, groups = q.shape[0], scales.shape[0]
+    name = g_idx_name.rpartition(".")[0]
     if g_idx.min() < 0 or g_idx.max() >= groups:
-        raise ValueError(f"{name}.g_idx: groups outside 0..{groups - 1}")
+        raise ValueError(f"{g_idx_name}: groups outside 0..{groups - 1}")
     perm = None
     if not torch.equal(g_idx, torch.arange(k) // group):
         perm = torch.argsort(g_idx, stable=True)
         if not torch.equal(g_idx[perm], torch.arange(k) // group):
-            raise ValueError(f"{name}.g_idx: groups of unequal sizes (each must hold {group} columns)")
+            raise ValueError(f"{g_idx_name}: groups of unequal sizes (each must hold {group} columns)")
         q = q[perm]
     codes = q.T.contiguous()
     zeros_f = zeros.T.to(torch.float32)  # [N, G]
@@ -353,30 +389,200 @@ def read_quantized_module(
         scales = scales.repeat_interleave(group // sub, dim=1)[:, : k // sub].contiguous()
         zeros_f = zeros_f.repeat_interleave(group // sub, dim=1)[:, : k // sub]
         group = sub
-    if qc.bits == 8:  # int8 codes q - 128: s (q - z) = s (q - 128) - s (z - 128)
+    if bits == 8:  # int8 codes q - 128: s (q - z) = s (q - 128) - s (z - 128)
         codes, zeros_f = (codes - 128).to(torch.int8), zeros_f - 128
     else:
         codes = codes.to(torch.uint8)
-    weight = QuantizedWeight(codes, scales, -(scales * zeros_f), qc.bits, group)
+    weight = QuantizedWeight(codes, scales, -(scales * zeros_f), bits, group)
     weight.check(name)
     return weight, perm
+
+
+# --- compressed-tensors ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class CompressedScheme:
+    """One config group's weights: int codes of `bits`, per group of K ("group"), per output row
+    ("channel") or one for the whole tensor ("tensor"), symmetric (no zero points) or not."""
+
+    targets: tuple[str, ...]
+    bits: int
+    strategy: str
+    group_size: int  # "group": k of a group; else 0
+    symmetric: bool
+    fmt: str  # "pack-quantized" or "naive-quantized"
+
+
+_CT_FORMATS = ("pack-quantized", "naive-quantized")
+_CT_STRATEGIES = ("group", "channel", "tensor")
+CT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+
+
+@dataclass(slots=True, frozen=True)
+class CompressedTensorsConfig:
+    """quantization_config of quant_method "compressed-tensors" (llm-compressor's checkpoints, vLLM's
+    CompressedTensorsWNA16): weight-only int4 or int8 schemes in config_groups, each with its targets
+    ("Linear", a module name, or "re:" and a regular expression), and the modules `ignore` leaves in float."""
+
+    method = "compressed-tensors"
+    schemes: tuple[CompressedScheme, ...]
+    ignore: tuple[str, ...]
+
+    def holds(self, suffix: str, tensor: torch.Tensor) -> bool:
+        # naive-quantized stores its codes as an integer `weight`
+        return suffix in CT_SUFFIXES or (suffix == "weight" and not tensor.is_floating_point())
+
+    def scheme(self, module: str) -> CompressedScheme | None:
+        """The scheme of an HF linear module (model.layers.0.mlp.down_proj), None where it is ignored."""
+        if any(_ct_match(pattern, module) for pattern in self.ignore):
+            return None
+        for scheme in self.schemes:
+            if any(t == "Linear" or _ct_match(t, module) for t in scheme.targets):
+                return scheme
+        return None
+
+    @classmethod
+    def from_config(cls, model_dir: Path) -> CompressedTensorsConfig:
+        qc = _read_json(Path(model_dir) / "config.json").get("quantization_config") or {}
+        where = f"{model_dir}/config.json quantization_config"
+        top_format = qc.get("format")
+        groups = qc.get("config_groups")
+        if not isinstance(groups, dict) or not groups:
+            raise ValueError(f"{where}: config_groups {groups!r} (a mapping of named schemes)")
+        schemes = []
+        for group_name, group in groups.items():
+            at = f"{where}.config_groups.{group_name}"
+            if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
+                raise ValueError(f"{at}: no weights scheme")
+            targets = group.get("targets")
+            if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets) or not targets:
+                raise ValueError(f"{at}.targets {targets!r} (a list of module names or classes)")
+            if group.get("input_activations") is not None:
+                raise ValueError(f"{at}.input_activations: activation quantization (W*A8) is not read")
+            w = group["weights"]
+            fmt = str(group.get("format") or top_format)
+            if fmt not in _CT_FORMATS:
+                raise ValueError(f"{at}: format {fmt!r} ({' or '.join(_CT_FORMATS)})")
+            bits, kind = w.get("num_bits"), w.get("type", "int")
+            if bits not in (4, 8) or kind != "int":
+                raise ValueError(f"{at}.weights: num_bits {bits!r} type {kind!r} (int with 4 or 8 bits)")
+            strategy = str(w.get("strategy"))
+            if strategy not in _CT_STRATEGIES:
+                raise ValueError(f"{at}.weights.strategy {strategy!r} ({', '.join(_CT_STRATEGIES)})")
+            group_size = w.get("group_size") if strategy == "group" else 0
+            if strategy == "group" and (not isinstance(group_size, int) or group_size <= 0):
+                raise ValueError(
+                    f"{at}.weights.group_size {group_size!r} (a positive size for strategy group)"
+                )
+            if w.get("dynamic", False):
+                raise ValueError(f"{at}.weights.dynamic: weights quantized at run time are not read")
+            symmetric = w.get("symmetric", True)
+            if not isinstance(symmetric, bool):
+                raise ValueError(f"{at}.weights.symmetric {symmetric!r} (true or false)")
+            schemes.append(CompressedScheme(tuple(targets), bits, strategy, group_size, symmetric, fmt))
+        ignore = qc.get("ignore") or []
+        if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
+            raise ValueError(f"{where}.ignore {ignore!r} (a list of module names)")
+        return cls(tuple(schemes), tuple(ignore))
+
+
+def _ct_match(pattern: str, module: str) -> bool:
+    """compressed-tensors' target matching: "re:" and a regular expression matched from the start of the
+    module's name, else its name or its name's end (lm_head matches model.lm_head)."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return module == pattern or module.endswith("." + pattern)
+
+
+def _read_compressed_tensors(
+    name: str, parts: dict[str, torch.Tensor], qc: CompressedTensorsConfig, n: int, k: int
+) -> tuple[QuantizedWeight, torch.Tensor | None]:
+    """compressed-tensors' pack-quantized (codes of `bits` packed into int32 along K, the first in the low
+    bits, each stored plus 2^(bits - 1); asymmetric zero points packed the same way along N) or
+    naive-quantized (int8 codes and zero points as they are) module: w = s (q - z), q and z signed."""
+    scheme = qc.scheme(f"model.{name}")
+    if scheme is None:
+        raise ValueError(
+            f"{name}: quantized tensors in the checkpoint, but quantization_config.config_groups has no "
+            "scheme for it (not targeted, or in ignore)"
+        )
+    bits, half = scheme.bits, 2 ** (scheme.bits - 1)
+    group = k if scheme.strategy in ("channel", "tensor") else scheme.group_size
+    groups = -(-k // group)  # a last group may be shorter (K not a multiple)
+    codes_part = "weight_packed" if scheme.fmt == "pack-quantized" else "weight"
+    needed = [codes_part, "weight_scale"] + ([] if scheme.symmetric else ["weight_zero_point"])
+    for part in needed:
+        if part not in parts:
+            raise ValueError(f"{name}.{part} is missing from the checkpoint")
+    packed = scheme.fmt == "pack-quantized"
+    per = 32 // bits
+    shapes = {
+        codes_part: (n, -(-k // per)) if packed else (n, k),
+        "weight_scale": (1,) if scheme.strategy == "tensor" else (n, groups),
+    }
+    if not scheme.symmetric:
+        zn = (-(-n // per) if packed else n, groups)
+        shapes["weight_zero_point"] = (1,) if scheme.strategy == "tensor" else zn
+    for part, shape in shapes.items():
+        got = tuple(parts[part].shape)
+        if got != shape and not (shape == (1,) and got in ((), (1, 1))):
+            raise ValueError(
+                f"{name}.{part}: shape {got}, expected {shape} for a {bits}-bit {scheme.fmt} [{n}, {k}] weight "
+                f"({scheme.strategy}{f' of {group}' if scheme.strategy == 'group' else ''})"
+            )
+    if "weight_shape" in parts and [int(v) for v in parts["weight_shape"].flatten()] != [n, k]:
+        raise ValueError(f"{name}.weight_shape: {parts['weight_shape'].tolist()}, expected [{n}, {k}]")
+    if packed:
+        if parts[codes_part].dtype != torch.int32:
+            raise ValueError(f"{name}.weight_packed: {parts[codes_part].dtype}, expected int32")
+        q = _unpack(parts[codes_part], bits, 1)[:, :k]  # [N, K], stored plus 2^(bits - 1)
+    else:
+        if parts[codes_part].dtype != torch.int8:
+            raise ValueError(f"{name}.weight: {parts[codes_part].dtype}, expected int8 codes")
+        q = parts[codes_part].to(torch.int32) + half
+    scales = parts["weight_scale"].to(torch.float32).reshape(-1, groups if scheme.strategy != "tensor" else 1)
+    scales = scales.expand(n, groups)
+    if scheme.symmetric:
+        zeros = torch.full((n, groups), half, dtype=torch.int32)
+    elif packed and scheme.strategy != "tensor":  # a tensor's one zero point is stored as it is
+        zeros = _unpack(parts["weight_zero_point"], bits, 0)[:n]  # [N, G], plus 2^(bits - 1)
+    else:
+        zeros = parts["weight_zero_point"].to(torch.int32) + half
+    zeros = zeros.reshape(-1, groups).expand(n, groups)
+    g_idx = parts.get("weight_g_idx")  # actorder "group": the group of each input column
+    g_idx = torch.arange(k) // group if g_idx is None else g_idx.to(torch.int64)
+    if g_idx.shape != (k,):
+        raise ValueError(f"{name}.weight_g_idx: shape {tuple(g_idx.shape)}, expected ({k},)")
+    return _grouped_weight(f"{name}.weight_g_idx", q.T, zeros.T, scales.T, g_idx, bits, group)
+
+
+def quant_config(model_dir: Path) -> QuantConfig | CompressedTensorsConfig | None:
+    """The quantization_config of a checkpoint whose quantized tensors are in its safetensors, else None."""
+    method = detect_quantization(model_dir)
+    if method == "compressed-tensors":
+        return CompressedTensorsConfig.from_config(model_dir)
+    return QuantConfig.from_config(model_dir) if method in SAFETENSORS_METHODS else None
 
 
 def fuse_quantized_modules(
     modules: dict[str, tuple[QuantizedWeight, torch.Tensor | None]],
 ) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor], list[str]]:
     """HF modules (layers.0.self_attn.q_proj, ...) fused as the model fuses them: (weights, perms, and the
-    fused modules whose shards' column orders differ, which are left to be loaded dequantized)."""
+    fused modules whose shards' column orders differ, or with a shard not quantized (a compressed-tensors
+    ignore), which are left to be loaded dequantized)."""
     fused: dict[str, dict[int, tuple[QuantizedWeight, torch.Tensor | None]]] = {}
     for hf_name, value in modules.items():
         parent, _, proj = hf_name.rpartition(".")
-        target, shard = _HF_FUSED[proj]
-        fused.setdefault(f"{parent}.{target}", {})[shard] = value
+        target, shard = _HF_FUSED.get(proj, (proj, 0))  # lm_head: its own
+        fused.setdefault(f"{parent}.{target}" if parent else target, {})[shard] = value
     weights, perms, unfused = {}, {}, []
     for name, shards in fused.items():
         ordered = [shards[i] for i in sorted(shards)]
         perm = ordered[0][1]
-        if any(
+        fused_name = name.rpartition(".")[2]
+        whole = len(ordered) == 1 + max((s for t, s in _HF_FUSED.values() if t == fused_name), default=0)
+        if not whole or any(
             (p is None) != (perm is None) or (p is not None and not torch.equal(p, perm)) for _, p in ordered
         ):
             unfused.append(name)
