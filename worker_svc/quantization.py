@@ -1,4 +1,5 @@
-"""Quantized checkpoints read into kernels.quant.QuantizedWeight: GGUF blocks, GPTQ and AWQ tensors.
+"""Quantized checkpoints read into kernels.quant.QuantizedWeight: GGUF blocks, GPTQ, AWQ and compressed-tensors
+tensors.
 
 Each format reads into codes with a scale and an offset per group of K, computed exactly as the format's own
 dequantization computes them (docs/quantization.md has each format's quirks), so that the kernels' quantized
@@ -10,6 +11,8 @@ linear and the dequantized float32 model use the same weights.
   g_idx, sym and asym, the v1 zero-point offset (stored zeros minus one) unless `checkpoint_format` is
   "gptq_v2".
 - AWQ ("awq", version "gemm"): 4 bits, the GEMM packing order.
+- compressed-tensors ("compressed-tensors", llm-compressor's W4A16 / W8A16): pack-quantized and
+  naive-quantized, group, channel and tensor scales, symmetric or with zero points, per config group.
 """
 
 from __future__ import annotations
