@@ -4,7 +4,8 @@ Every checkpoint format the worker keeps quantized (GGUF blocks, GPTQ, AWQ; see 
 reads into a `QuantizedWeight`: w[n, k] = scales[n, k // group_size] * codes[n, k] + offsets[n, k //
 group_size], in float32, exactly as the format's own dequantization computes it. `dequantize` is that
 formula (the oracle of the tests, and the fallback where the kernels have no quantized linear);
-`pack_quant_weight` lays a weight out for the C++ kernels' quantized linear (kernels/cpu/linear_quant.h).
+`pack_quant_weight` lays a weight out for the C++ kernels' quantized linear (kernels/cpu/linear_quant.h);
+`PackedRows` reads rows back out of that layout (the embedding lookup of a quantized tied head).
 """
 
 from __future__ import annotations
@@ -162,3 +163,54 @@ def pack_quant_weight(q: QuantizedWeight) -> torch.Tensor:
 
 def packed_bytes(packed: torch.Tensor) -> int:
     return packed.numel() * packed.element_size()
+
+
+class PackedRows:
+    """Rows of a packed weight (output features) dequantized from their codes: float32 [len(rows), K], the same
+    bits as `dequantize`'s rows. The lookup of an embedding whose codes are a quantized tied head's: one gather
+    of each row's bytes (its scales and codes, strided through its block of 16 columns), then scale * code +
+    offset."""
+
+    def __init__(self, packed: torch.Tensor) -> None:
+        magic, bits, kind, group, n, k, groups, scale_bytes, block_bytes = struct.unpack_from(
+            "<Iiiiqqqqq", packed[:HEADER_BYTES].numpy().tobytes()
+        )
+        if magic != MAGIC:
+            raise ValueError("not a packed quantized weight")
+        self.body, self.block_bytes = packed[HEADER_BYTES:], block_bytes
+        self.bits, self.group, self.groups, self.k, self.rows = bits, group, groups, k, n
+        self.parts = 1 if kind == SCALE_F16_NO_OFFSET else 2
+        self.scale_dtype = torch.float32 if kind == SCALE_F32 else torch.float16
+        width = 4 if kind == SCALE_F32 else 2
+        self.scale_width = groups * self.parts * width
+        # the byte offsets of column c's scales ([groups, parts, 16] of `width` bytes) and codes in its block
+        column = torch.arange(BLOCK)[:, None]
+        scales = (torch.arange(groups * self.parts) * BLOCK * width)[None] + column * width
+        scales = (scales[:, :, None] + torch.arange(width)).view(BLOCK, -1)
+        if bits == 4:  # 4 bytes per column and 8 k
+            codes = (torch.arange(k // 8) * BLOCK * 4)[None] + column * 4
+            codes = (codes[:, :, None] + torch.arange(4)).view(BLOCK, -1)
+        else:  # [K, 16] int8
+            codes = torch.arange(k)[None] * BLOCK + column
+        self.offsets = torch.cat([scales, scale_bytes + codes], dim=1)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        t = rows.numel()
+        data = self.body[(rows // BLOCK * self.block_bytes)[:, None] + self.offsets[rows % BLOCK]]
+        scales = (
+            data[:, : self.scale_width].contiguous().view(self.scale_dtype).view(t, self.groups, self.parts)
+        )
+        codes = data[:, self.scale_width :]
+        if (
+            self.bits == 4
+        ):  # each column's 4 bytes per 8 k hold k (0, 2), (4, 6), (1, 3), (5, 7), the first low
+            lanes = codes.view(t, self.k // 8, 4)
+            c = torch.empty(t, self.k // 8, 8, dtype=torch.uint8)
+            c[..., _INT4_LOW], c[..., _INT4_HIGH] = lanes & 0x0F, lanes >> 4
+        else:
+            c = codes.view(torch.int8)
+        scales = scales.to(torch.float32)
+        w = c.reshape(t, self.groups, self.group).to(torch.float32) * scales[:, :, :1]
+        if self.parts == 2:
+            w = w + scales[:, :, 1:]
+        return w.view(t, self.k)

@@ -15,6 +15,7 @@ from pagedserve.kernels.quant import (
     SCALE_F16,
     SCALE_F16_NO_OFFSET,
     SCALE_F32,
+    PackedRows,
     QuantizedWeight,
     concat_rows,
     dequantize,
@@ -72,6 +73,17 @@ def test_quantized_linear_matches_float64_oracle(bits, kind, group, dtype):
         # of each weight to bf16 (the dequantizing path)
         tol = 1e-5 * bound if dtype == torch.float32 else 2**-8 * (exact.abs() + bound)
         assert ((y.double() - exact).abs() <= tol + 1e-6).all(), (bits, kind, group, n, k, m)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("kind", [SCALE_F32, SCALE_F16, SCALE_F16_NO_OFFSET])
+def test_packed_rows_are_the_dequantized_rows_bit_for_bit(bits, kind):
+    """The embedding lookup of a quantized tied head: rows gathered from the packed codes (any row of a
+    block of 16, the last block short) equal dequantize's rows exactly."""
+    q = _random_weight(37, 128, bits, 32 if bits == 4 else 16, kind, seed=bits + kind)
+    rows = torch.tensor([0, 36, 5, 5, 17, 16, 15, 31, 32])
+    assert torch.equal(PackedRows(pack_quant_weight(q))(rows), dequantize(q)[rows])
+    assert PackedRows(pack_quant_weight(q))(rows[:0]).shape == (0, 128)
 
 
 def test_quantized_linear_takes_any_batch_shape_and_checks_k():
@@ -168,7 +180,7 @@ def test_default_model_kept_quantized_decodes_as_the_dequantized_float32_model(d
 
     from pagedserve.model_files import load_tokenizer
     from pagedserve.worker_svc.loader import load_model
-    from pagedserve.worker_svc.model import QuantLinear
+    from pagedserve.worker_svc.model import QuantEmbedding, QuantLinear
 
     _quant_kernels()
     assert detect_quantization(default_model_dir) == "gguf"
@@ -176,6 +188,11 @@ def test_default_model_kept_quantized_decodes_as_the_dequantized_float32_model(d
     dequantized = load_model(default_model_dir, torch.float32, "cpu", quantization="none")
     assert isinstance(quantized.layers[0].mlp.gate_up_proj, QuantLinear)
     assert isinstance(quantized.tied_head, QuantLinear)  # the tied head from the Q8_0 token embedding
+    # whose codes the embedding lookup reads: the same rows as the dequantized model's, no float copy held
+    assert isinstance(quantized.embed_tokens, QuantEmbedding)
+    assert not any(name.startswith("embed_tokens.") for name, _ in quantized.named_parameters())
+    ids = torch.arange(quantized.config.vocab_size)
+    assert torch.equal(quantized.embed_tokens(ids), dequantized.embed_tokens.weight)
     assert quantized.stack is not None  # all layers in one call, through the quantized linear
     assert not any(isinstance(m, QuantLinear) for m in dequantized.modules())
     q_bytes = sum(m.weight.numel() for m in quantized.modules() if isinstance(m, QuantLinear))

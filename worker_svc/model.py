@@ -24,7 +24,7 @@ from torch import nn
 
 from pagedserve.kernels import get_ops
 from pagedserve.kernels.ops import DecoderStack, DecoderStackFactory, LinearKernels, Ops, linear_for
-from pagedserve.kernels.quant import QuantizedWeight, pack_quant_weight
+from pagedserve.kernels.quant import PackedRows, QuantizedWeight, pack_quant_weight
 from pagedserve.worker_svc import host_memory
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -271,6 +271,26 @@ class QuantLinear(nn.Module):
         return self.kernels.linear_quant(x, self.weight, self.bias)
 
 
+class QuantEmbedding(nn.Module):
+    """The token embedding of a model whose tied LM head is quantized: a step's rows gathered from the head's
+    packed codes and dequantized, in the model dtype (the same values as the dequantized embedding), so no
+    float copy of the embedding matrix is held."""
+
+    def __init__(self, head: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.dtype = dtype
+        self.rows = PackedRows(head.weight.detach())  # the head's own tensor, not a parameter here
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise RuntimeError(f"token id {bad} is outside the vocabulary ({self.num_embeddings})")
+        rows = self.rows(ids).to(self.dtype)
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+
 def can_quantize_linears(ops: Ops, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether QuantLinear applies: the CPU kernels' quantized linear (AVX-512), float32 or bf16 activations."""
     kernels = linear_for(ops, dtype) if device.type == "cpu" else None
@@ -488,11 +508,17 @@ class CausalLM(nn.Module):
         """The embedding, these layers (in one call of `stack` where given) and the final norm."""
         assert input_ids.shape == positions.shape and input_ids.dim() == 1
         if stack is not None:
-            # The stack gathers the embedding and RoPE rows itself (see DecoderStack.forward_tokens).
+            # The stack gathers the embedding and RoPE rows itself (see DecoderStack.forward_tokens); a
+            # quantized embedding's rows are dequantized here, the step's own table.
+            table, ids = self.embed_tokens, input_ids
+            if isinstance(table, QuantEmbedding):
+                table, ids = table(input_ids), torch.arange(input_ids.numel())
+            else:
+                table = table.weight
             return stack.forward_tokens(
-                input_ids,
+                ids,
                 positions,
-                self.embed_tokens.weight,
+                table,
                 self.rope.table,
                 [k for k, _ in kv_caches],
                 [v for _, v in kv_caches],
@@ -562,7 +588,9 @@ class CausalLM(nn.Module):
                 )
             layer = QuantLinear(weight, None if old is None else old.bias, kernels, perms.get(name))
             if name == "lm_head" and old is None:
+                # the tied head's codes are the embedding's: the lookup reads them, no float copy is kept
                 self.tied_head = layer
+                self.embed_tokens = QuantEmbedding(layer, self.dtype)
             else:
                 setattr(module, attr, layer)
 
