@@ -86,8 +86,8 @@ class EngineConfig:
     model: str | None = None
     # "auto", "float32", "bfloat16" or "float16" (weights and KV cache).
     dtype: str = "auto"
-    # Quantized checkpoints (worker --quantization): "auto" keeps GPTQ and AWQ weights quantized, "gguf" a GGUF's,
-    # "none" dequantizes them.
+    # Quantized checkpoints (worker --quantization): "auto" keeps GPTQ, AWQ and compressed-tensors weights
+    # quantized, "gguf" a GGUF's, "none" dequantizes them.
     quantization: str = "auto"
     # Tokens per KV block.
     block_size: int = 16

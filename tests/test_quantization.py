@@ -22,7 +22,7 @@ from pagedserve.kernels.quant import (
     pack_quant_weight,
     scale_kind,
 )
-from pagedserve.worker_svc.quantization import detect_quantization, gguf_block
+from pagedserve.worker_svc.quantization import detect_quantization, gguf_block, resolve_quantization
 
 gguf = pytest.importorskip("gguf")
 
@@ -358,6 +358,7 @@ def test_compressed_tensors_checkpoint_matches_its_dequantized_float32_model(
         state, config, tmp_path / "q", tmp_path / "ref", bits, strategy, group, sym, fmt, ignore
     )
     assert detect_quantization(tmp_path / "q") == "compressed-tensors"
+    assert resolve_quantization(tmp_path / "q", "auto") == "compressed-tensors"  # kept quantized by default
     model = load_model(tmp_path / "q", torch.float32, "cpu", quantization="compressed-tensors")
     ref = load_model(tmp_path / "ref", torch.float32, "cpu")
     assert isinstance(model.layers[1].mlp.down_proj, QuantLinear)
@@ -467,8 +468,6 @@ def test_default_model_shape_gptq_and_awq_decode_as_their_dequantized_models(
 
 def test_auto_keeps_gptq_quantized_and_a_gguf_dequantized(small_llama, tmp_path, default_model_dir):
     from quant_checkpoints import write_quantized
-
-    from pagedserve.worker_svc.quantization import resolve_quantization
 
     state, config = small_llama
     write_quantized(state, config, tmp_path / "q", tmp_path / "ref", "gptq", 4, 64)
