@@ -366,8 +366,9 @@ def test_compressed_tensors_checkpoint_matches_its_dequantized_float32_model(
     assert isinstance(model.lm_head, QuantLinear) == ("lm_head" not in ignore)
     tokens = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 1, 17)]
     torch.testing.assert_close(_logits(model, tokens), _logits(ref, tokens), atol=1e-4, rtol=1e-4)
-    prompts = [[1, 5, 9, 33, 70], [200, 3]]
-    assert _greedy(model, prompts, 6) == _greedy(ref, prompts, 6)
+    if bits == 4 and not sym:  # greedy decoding through the paged cache too (in one case: it takes seconds)
+        prompts = [[1, 5, 9, 33, 70], [200, 3]]
+        assert _greedy(model, prompts, 4) == _greedy(ref, prompts, 4)
     if fmt == "naive-quantized":  # and read dequantized (--quantization none): the reference itself
         dense = load_model(tmp_path / "q", torch.float32, "cpu", quantization="none")
         assert not any(isinstance(m, QuantLinear) for m in dense.modules())
