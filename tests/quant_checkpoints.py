@@ -13,6 +13,7 @@ float32 folder: the reference the loaded checkpoint is compared with.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -170,7 +171,7 @@ def write_compressed_tensors(
         module = name.removesuffix(".weight")
         parts = module.split(".")
         linear = name.endswith(".weight") and (parts[-1] in PROJECTIONS or module == "lm_head")
-        if not linear or any(module == i or module.endswith("." + i) for i in ignore):
+        if not linear or any(_ignored(module, i) for i in ignore):
             quantized[name], plain[name] = w, w.float()
             continue
         n, k = w.shape
@@ -209,3 +210,10 @@ def write_compressed_tensors(
 def _per_weight(t: torch.Tensor, groups: int, size: int) -> torch.Tensor:
     """[N or 1, groups] scales or zero points, each repeated over its group's `size` columns."""
     return t.float().reshape(-1, groups).repeat_interleave(size, 1)
+
+
+def _ignored(module: str, pattern: str) -> bool:
+    """compressed-tensors' matching of an ignore entry: "re:" and a regular expression, or the name."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return module == pattern

@@ -6,7 +6,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -138,8 +138,25 @@ def load_model(
             missing.discard((param_name, None))
             missing.update((param_name, i) for i in range(3 if name == "qkv_proj" else 2))
 
+    # A GGUF kept quantized: its linears (and a tied head's embedding, which the lookup reads from the head's
+    # codes) are read from the file, so the converted copy's dequantized weights of them are never read.
+    gguf_weights: dict[str, QuantizedWeight] = {}
+    from_gguf: set[str] = set()
+    if method == "gguf":
+        source = gguf_source(model_dir)
+        assert source is not None
+        gguf_weights = read_gguf_linears(source, config)
+        from_gguf = {f"{m}.weight" for m in gguf_weights}
+        if "lm_head" in gguf_weights and config.tie_word_embeddings:
+            from_gguf.add("embed_tokens.weight")
+        missing = {(n, shard) for n, shard in missing if n not in from_gguf}
+
+    def read_from_gguf(hf_name: str) -> bool:
+        module, _, suffix = hf_name.removeprefix("model.").rpartition(".")
+        return f"{_fused_module(module)[0]}.{suffix}" in from_gguf
+
     with torch.no_grad():
-        for hf_name, tensor in _read_safetensors(model_dir):
+        for hf_name, tensor in _read_safetensors(model_dir, skip=read_from_gguf):
             if hf_name.endswith(_IGNORED_SUFFIXES):
                 continue
             name = hf_name.removeprefix("model.")
@@ -188,9 +205,7 @@ def load_model(
         raise ValueError(f"{model_dir}: weights missing from the checkpoint: {', '.join(names[:10])}")
     model.eval()
     if method == "gguf":
-        source = gguf_source(model_dir)
-        assert source is not None
-        model.quantize_linears(read_gguf_linears(source, config))
+        model.quantize_linears(gguf_weights)
     elif method is not None:
         model.quantize_linears({n: w for n, w in weights.items() if n not in unfused}, perms)
     if can_pack_linears(dtype, torch.device(device)):
@@ -256,7 +271,9 @@ def _shard_rows(config: ModelConfig, name: str, shard: int) -> tuple[int, int]:
     return shard * config.intermediate_size, config.intermediate_size
 
 
-def _read_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_safetensors(
+    model_dir: Path, skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -270,4 +287,5 @@ def _read_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in paths:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield key, f.get_tensor(key)
+                if skip is None or not skip(key):
+                    yield key, f.get_tensor(key)

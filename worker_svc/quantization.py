@@ -504,7 +504,7 @@ def _read_compressed_tensors(
     """compressed-tensors' pack-quantized (codes of `bits` packed into int32 along K, the first in the low
     bits, each stored plus 2^(bits - 1); asymmetric zero points packed the same way along N) or
     naive-quantized (int8 codes and zero points as they are) module: w = s (q - z), q and z signed."""
-    scheme = qc.scheme(f"model.{name}")
+    scheme = qc.scheme(name if name == "lm_head" else f"model.{name}")  # the module's name in HF's model
     if scheme is None:
         raise ValueError(
             f"{name}: quantized tensors in the checkpoint, but quantization_config.config_groups has no "
