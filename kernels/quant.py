@@ -54,16 +54,6 @@ class QuantizedWeight:
         if problems:
             raise ValueError(f"{name}: malformed quantized weight: {'; '.join(problems)}")
 
-    def rows(self, index: torch.Tensor) -> QuantizedWeight:
-        """The weight of rows `index` (a permutation of output features is exact: groups run along K)."""
-        return QuantizedWeight(
-            self.codes[index],
-            self.scales[index],
-            None if self.offsets is None else self.offsets[index],
-            self.bits,
-            self.group_size,
-        )
-
 
 def dequantize(q: QuantizedWeight) -> torch.Tensor:
     """float32 [N, K]: scale * code + offset, each product and sum rounded once (as ggml and gguf do)."""
