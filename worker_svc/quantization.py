@@ -492,7 +492,7 @@ class CompressedTensorsConfig:
 
 def _ct_match(pattern: str, module: str) -> bool:
     """compressed-tensors' target matching: "re:" and a regular expression matched from the start of the
-    module's name, else its name or its name's end (lm_head matches model.lm_head)."""
+    module's name, else the name itself (or the end of a longer one, after a dot)."""
     if pattern.startswith("re:"):
         return re.match(pattern[3:], module) is not None
     return module == pattern or module.endswith("." + pattern)
