@@ -91,7 +91,7 @@ import cupy; print('cupy', cupy.__version__, 'runtime', cupy.cuda.runtime.runtim
 # The GPU tests: the kernels against the reference, the runner on CUDA against the CPU's, the sampler on
 # CUDA. A skipped test counts as a failure here: a GPU check that skips (no CuPy, no device) proves nothing.
 stage "GPU tests" 240 $PY -m pytest -q -p no:cacheprovider --maxfail 20 --timeout 220 -m cuda -rs \
-  tests/test_kernels_cuda.py tests/test_cuda_runner.py tests/test_sampler.py --junitxml "$OUT_DIR/gpu_tests.xml"
+  tests/test_kernels_cuda.py tests/test_cuda_runner.py tests/test_sampler.py tests/test_quant_cuda.py --junitxml "$OUT_DIR/gpu_tests.xml"
 stage "no GPU test skipped" 10 $PY -c '
 import sys, xml.etree.ElementTree as ET
 counts = [(int(s.get("tests", 0)), int(s.get("skipped", 0))) for s in ET.parse(sys.argv[1]).getroot().iter("testsuite")]
