@@ -416,7 +416,7 @@ def test_worker_keeps_gptq_quantized_on_cuda_and_decodes_as_the_dequantized_mode
 
     q, ref = _quantized_tiny_llama(tmp_path, bits, group, desc_act)
     cuda = make_runner(q, num_blocks=32, block_size=16, device="cuda")
-    assert cuda.model.ops.name == "cuda"
+    assert cuda.model.ops.name == "cuda", cuda.model.ops
     assert isinstance(cuda.model.layers[0].mlp.down_proj, QuantLinear)
     assert isinstance(cuda.model.layers[0].mlp.down_proj.weight, CudaQuantWeight)
     cpu = make_runner(ref, num_blocks=32, block_size=16)
@@ -428,10 +428,11 @@ def test_worker_keeps_gptq_quantized_on_cuda_and_decodes_as_the_dequantized_mode
 
 
 @needs_cuda
-def test_bf16_model_on_the_quantized_gemm_gives_the_dequantized_models_logits(tmp_path):
+def test_bf16_model_on_the_quantized_gemm_is_as_close_to_float32_as_the_dequantized_bf16_model(tmp_path):
     """bf16 on CUDA, teacher-forced over a prefill and decode steps (both on quant_gemm.cu: at most 64 rows):
-    the quantized model's logits against the dequantized bf16 model's, within bf16's rounding of the weights
-    (which the GEMM does not do)."""
+    the quantized model's logits are as close to the dequantized float32 model's as the dequantized bf16
+    model's are (the GEMM keeps float32 scales where the bf16 model rounds its weights; a random model's
+    bf16 activations dominate both)."""
     from test_model import PagedCache
 
     from pagedserve.worker_svc.loader import load_model
@@ -439,13 +440,15 @@ def test_bf16_model_on_the_quantized_gemm_gives_the_dequantized_models_logits(tm
 
     q, _ = _quantized_tiny_llama(tmp_path, 4, 64)
     quantized = load_model(q, torch.bfloat16, "cuda")
-    dequantized = load_model(q, torch.bfloat16, "cuda", quantization="none")
     assert isinstance(quantized.layers[1].self_attn.qkv_proj, QuantLinear)
-    assert not any(isinstance(m, QuantLinear) for m in dequantized.modules())
+    models = [quantized] + [
+        load_model(q, dtype, "cuda", quantization="none") for dtype in (torch.bfloat16, torch.float32)
+    ]
+    assert not any(isinstance(m, QuantLinear) for model in models[1:] for m in model.modules())
     gen = torch.Generator().manual_seed(1)
     tokens = [torch.randint(0, quantized.config.vocab_size, (n,), generator=gen) for n in (30, 9)]
     logits = []
-    for model in (quantized, dequantized):
+    for model in models:
         cache = PagedCache(model, len(tokens), 16)
         cache.kv_caches = [(k.cuda(), v.cuda()) for k, v in cache.kv_caches]
         chunks = [(0, 0, 20), (1, 0, 5)]
@@ -458,11 +461,11 @@ def test_bf16_model_on_the_quantized_gemm_gives_the_dequantized_models_logits(tm
             out.append(model.compute_logits(hidden).float().cpu())
             chunks = [(s, b, b + 1) for s, _, b in chunks if b < len(tokens[s])]
         logits.append(torch.cat(out))
-    got, expected = logits
-    scale = expected.abs().max().item()
-    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.03 * scale)
-    cosine = torch.nn.functional.cosine_similarity(got, expected, dim=-1)
-    assert cosine.min() > 0.999, cosine.min()
+    got, bf16, reference = logits
+    error, bf16_error = (got - reference).abs(), (bf16 - reference).abs()
+    scale = reference.abs().max().item()
+    assert error.max() <= 1.5 * bf16_error.max() + 1e-3 * scale, (error.max(), bf16_error.max())
+    assert error.mean() <= 1.5 * bf16_error.mean() + 1e-4 * scale, (error.mean(), bf16_error.mean())
 
 
 def _cuda(value: Any) -> Any:
