@@ -1,6 +1,7 @@
 """CUDA implementation of the kernel ops (kernels/ops.py): CudaOps, whose paged cache ops are the kernels in
 kernels/*.cu and whose small pointwise ops, argmax included, are the reference's PyTorch ops on the GPU
-(the model's linear layers are PyTorch's).
+(the model's linear layers are PyTorch's, but for quantized weights kept quantized: CudaQuantLinear,
+kernels/quant_gemm.cu).
 
 The kernels in kernels/*.cu are compiled at run time with NVRTC through CuPy (RawModule, one module per
 template instantiation, cached in memory and by CuPy on disk) and launched on torch's current stream with
@@ -64,10 +65,12 @@ PREFILL_ROWS = 16
 PREFILL_BK = 32
 MIN_SPLIT_TOKENS = 512  # a split-K partition shorter than this costs more in merging than it gains
 MAX_SPLITS = 64
-# The quantized linear (quant_gemm.cu): m16 tiles of rows per CTA (template MT), the most rows it takes (more
-# go to the dequantized weight and cuBLAS), and its constants.
+# The quantized linear (quant_gemm.cu): m16 tiles of rows per CTA (template MT; more rows than the largest
+# takes use several CTAs along grid z), the most rows it takes (decode batches up to the largest CUDA graph;
+# more go to the dequantized weight and cuBLAS, whose traffic no longer outweighs the codes' rereads), and
+# its constants.
 QUANT_ROW_TILES = (1, 2, 4)
-QUANT_MAX_ROWS = 16 * QUANT_ROW_TILES[-1]
+QUANT_MAX_ROWS = 256
 QUANT_THREADS = 128
 QUANT_CTA_COLUMNS = 64  # PS_QG_NCTA
 QUANT_KSTAGE = 256  # PS_QG_KSTAGE
@@ -442,9 +445,17 @@ class CupyLauncher:
         raw = _raw_args(args, iter(tables))
         with cupy.cuda.Device(index), _external_stream(cupy, stream, index):
             # The attribute is the function's on the device whose context is current: the worker's, here.
-            if shared_mem > DEFAULT_SHARED_MEMORY and kernel.max_dynamic_shared_size_bytes < shared_mem:
-                kernel.max_dynamic_shared_size_bytes = shared_mem
+            # Set once per kernel and device, before any capture (the worker warms each graph's step up
+            # eagerly first), so a captured launch makes no driver call but the launch itself.
+            if shared_mem > DEFAULT_SHARED_MEMORY and _opted_in.get((entry, index), 0) < shared_mem:
+                if kernel.max_dynamic_shared_size_bytes < shared_mem:
+                    kernel.max_dynamic_shared_size_bytes = shared_mem
+                _opted_in[(entry, index)] = shared_mem
             kernel(grid, block, raw, shared_mem=shared_mem)
+
+
+# (kernel, device) -> the dynamic shared memory it has been allowed (above DEFAULT_SHARED_MEMORY).
+_opted_in: dict[tuple[Entry, int], int] = {}
 
 
 @functools.cache
@@ -705,7 +716,7 @@ def choose_quant_splits(
 
 class CudaQuantLinear:
     """The quantized linear (kernels.ops.QuantLinearKernels) on CUDA: up to QUANT_MAX_ROWS rows of bf16 or fp16
-    x through quant_gemm.cu's tensor-core GEMM; more rows (prefill), float32 x, or a group size the GEMM does
+    x through quant_gemm.cu's tensor-core GEMM (64 rows a CTA); more rows (prefill), float32 x, or a group size the GEMM does
     not take, through the weight dequantized to x's dtype by quant_gemm.cu and PyTorch's matmul (cuBLAS),
     QUANT_DEQUANT_BYTES of it at a time."""
 
@@ -743,12 +754,13 @@ class CudaQuantLinear:
         device = packed.device
         tag = DTYPE_TAGS[x.dtype]
         x = _aligned(x)
-        row_tiles = next(m for m in QUANT_ROW_TILES if rows <= 16 * m)
+        row_tiles = next((m for m in QUANT_ROW_TILES if rows <= 16 * m), QUANT_ROW_TILES[-1])
+        row_ctas = math.ceil(rows / (16 * row_tiles))
         n_ctas = packed.n_pad // QUANT_CTA_COLUMNS
         phases = math.ceil(packed.k_pad / QUANT_KSTAGE)
         if num_splits is None:
             num_splits = choose_quant_splits(
-                n_ctas, phases, rows, packed.n_pad, packed.nbytes(), self.launcher.num_sms(device)
+                n_ctas * row_ctas, phases, rows, packed.n_pad, packed.nbytes(), self.launcher.num_sms(device)
             )
         per_split = math.ceil(phases / max(1, min(num_splits, phases)))
         num_splits = math.ceil(phases / per_split)  # every split non-empty
@@ -778,7 +790,8 @@ class CudaQuantLinear:
         )
         entry = quant_gemm_entry(tag, packed.bits, packed.scales.dtype, has_offset, row_tiles)
         smem = quant_smem_bytes(row_tiles, packed.scales.dtype)
-        self.launcher.launch(device, entry, (n_ctas, num_splits), (QUANT_THREADS,), args, shared_mem=smem)
+        grid = (n_ctas, num_splits, row_ctas)
+        self.launcher.launch(device, entry, grid, (QUANT_THREADS,), args, shared_mem=smem)
         if num_splits > 1:
             reduce_args = (
                 out,

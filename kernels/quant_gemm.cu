@@ -16,7 +16,8 @@
 //   sum(x) is one more mma against a fragment of ones. So the weights are never rounded to 16 bits.
 // - x and the scales of a phase of KSTAGE k are staged in shared memory by cp.async, double-buffered.
 // - Split-K over the grid's y: each CTA (4 warps, 64 output columns) takes a range of phases, so a single
-//   row's decode still puts several CTAs on every SM; the partial sums (float32) are added by
+//   row's decode still puts several CTAs on every SM; more than 64 rows take several CTAs along grid z, each
+//   streaming the codes again (from L2 where they meet); the partial sums (float32) are added by
 //   ps_quant_reduce, which also adds the bias and rounds, in a fixed order (no atomics).
 //
 // Prefill (many rows) dequantizes to the activation dtype (ps_quant_dequant) and leaves the product to
@@ -136,7 +137,7 @@ template <class T, int BITS, class S, bool HAS_OFFSET, int MT>
 __device__ __forceinline__ void ps_quant_gemm(
     typename T::storage* __restrict__ out,      // [M, N], written when gridDim.y == 1
     float* __restrict__ partial,                // [gridDim.y, M, n_pad], written when gridDim.y > 1
-    const typename T::storage* __restrict__ x,  // [M, K], rows contiguous, 16-byte aligned
+    const typename T::storage* __restrict__ x,  // [M, K], rows contiguous, 16-byte aligned; grid z: 16 MT rows
     const uint4* __restrict__ codes,            // [n_pad / 16, k_pad / CHUNK, 32] lane vectors
     const S* __restrict__ scales,               // [groups, n_pad]
     const S* __restrict__ offsets,              // [groups, n_pad] (HAS_OFFSET)
@@ -153,6 +154,8 @@ __device__ __forceinline__ void ps_quant_gemm(
 
   const int warp = threadIdx.x / PS_WARP, lane = threadIdx.x % PS_WARP;
   const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.z * L::ROWS;  // this CTA's rows: row0 .. row0 + rows
+  const int rows = min(M - row0, L::ROWS);
   const int nblock = blockIdx.x * PS_QG_WARPS + warp;  // this warp's n16 block
   const int n_cta = blockIdx.x * PS_QG_NCTA;
   const bool active = nblock * 16 < N;
@@ -173,8 +176,8 @@ __device__ __forceinline__ void ps_quant_gemm(
     for (int i = threadIdx.x; i < L::ROWS * (PS_QG_KSTAGE / VEC); i += PS_QG_THREADS) {
       const int r = i / (PS_QG_KSTAGE / VEC), v = i % (PS_QG_KSTAGE / VEC);
       const int k = p + v * VEC;
-      const bool ok = r < M && k < K;
-      qg_cp_async16(xs + r * L::XS + v * VEC, ok ? (const void*)(x + (size_t)r * K + k) : (const void*)x,
+      const bool ok = r < rows && k < K;
+      qg_cp_async16(xs + r * L::XS + v * VEC, ok ? (const void*)(x + (size_t)(row0 + r) * K + k) : (const void*)x,
                     ok ? 16 : 0);
     }
     const int g_lo = min(p / group_size, groups - 1);
@@ -309,9 +312,10 @@ __device__ __forceinline__ void ps_quant_gemm(
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int row = m * 16 + g + 8 * (e >> 1);
+        const int local = m * 16 + g + 8 * (e >> 1);
+        const int row = row0 + local;
         const int col = nblock * 16 + nt * 8 + 2 * t + (e & 1);
-        if (row >= M) continue;
+        if (local >= rows) continue;
         if (gridDim.y == 1) {
           if (col < N) {
             const float b = bias == nullptr ? 0.f : T::to_float(bias[col]);

@@ -6,7 +6,7 @@ decodes them: shifts, nibble and byte pairs), and the launches CudaQuantLinear p
 arguments, the prefill's chunks) give the float64 oracle's product when executed in PyTorch.
 
 With a GPU and CuPy: the GEMM against a float64 oracle of dequantize(q) @ x for int4 and int8, every scale
-form, group sizes 16 .. K, 1 .. 64 rows and prefill rows, edge sizes of N and K, forced split counts; the
+form, group sizes 16 .. K, 1 .. 256 rows (several CTAs of 64 along grid z past 64) and prefill rows, edge sizes of N and K, forced split counts; the
 dequantizing kernel bit for bit; and a GPTQ checkpoint kept quantized on CUDA decoding the same greedy tokens
 as its dequantized model.
 """
@@ -177,7 +177,8 @@ def _emulate_gemm(entry, grid, args) -> None:
     out, partial, x, codes, scales, offsets, bias, m, n, k, n_pad, k_pad, group, per_split = args
     m, n, k, n_pad, k_pad, group, per_split = (int(v) for v in (m, n, k, n_pad, k_pad, group, per_split))
     assert x.is_contiguous() and x.shape == (m, k) and codes.is_contiguous()
-    assert m <= 16 * int(entry.name.rsplit("_m", 1)[1])
+    rows_per_cta = 16 * int(entry.name.rsplit("_m", 1)[1])
+    assert len(grid) == 3 and (grid[2] - 1) * rows_per_cta < m <= grid[2] * rows_per_cta, (grid, m)
     w = dequantize(_weight_from_args(entry.name, codes, scales, offsets, n, k, group)).double()
     w = torch.nn.functional.pad(w, (0, k_pad - k, 0, n_pad - n))
     xp = torch.nn.functional.pad(x.double(), (0, k_pad - k))
@@ -228,7 +229,7 @@ def test_cuda_ops_have_a_quantized_linear_of_the_contract(emulated):
     assert ops.quant_linear.dtypes == {torch.bfloat16, torch.float16, torch.float32}
 
 
-@pytest.mark.parametrize("rows", [1, 7, 33, 64, 65, 150])
+@pytest.mark.parametrize("rows", [1, 7, 33, 64, 65, 150, 256, 257])
 def test_emulated_quant_linear_matches_the_float64_oracle(emulated, rows):
     ops, launcher = emulated
     q = _random_weight(200, 4096, 4, 128, SCALE_F16, seed=rows)
@@ -243,9 +244,11 @@ def test_emulated_quant_linear_matches_the_float64_oracle(emulated, rows):
     torch.testing.assert_close(got[0].double(), expected, rtol=2**-7, atol=atol)
     names = [name for name, _ in launcher.launches]
     if rows <= cuda_ops.QUANT_MAX_ROWS:
-        # 4 CTAs of columns: the decode splits K (16 phases) so every SM gets work
-        assert names[0].startswith("quant_gemm_bf16_i4_s16_o1_m") and launcher.launches[0][1][1] > 1
-        assert names[1] == "quant_reduce_bf16"
+        (name, (_, splits, row_ctas)), *rest = launcher.launches
+        assert name.startswith("quant_gemm_bf16_i4_s16_o1_m") and row_ctas == math.ceil(rows / 64)
+        assert [n for n, _ in rest] == (["quant_reduce_bf16"] if splits > 1 else [])
+        if rows <= 64:  # 4 CTAs of columns: a decode splits K (16 phases) so that every SM gets work
+            assert splits > 1
     else:
         assert names == ["quant_dequant_bf16_i4_s16_o1"]
 
@@ -258,7 +261,7 @@ def test_emulated_split_k_covers_every_phase_once(emulated, splits):
     x = torch.randn(3, 576).to(torch.float16)
     got = ops.quant_linear.gemm(x, packed, None, splits)
     torch.testing.assert_close(got.double(), _oracle(x, q, None), rtol=2**-9, atol=1e-3)
-    assert launcher.launches[0][1] == (1, min(splits, 3))  # 576 = 3 phases of 256
+    assert launcher.launches[0][1] == (1, min(splits, 3), 1)  # 576 = 3 phases of 256
 
 
 def test_emulated_prefill_dequantizes_in_chunks_of_rows(emulated, monkeypatch):
@@ -355,7 +358,7 @@ def test_gemm_matches_float64_oracle(cuda, dtype, bits, kind, group):
         w = dequantize(q).to("cuda", torch.float64)
         gen = torch.Generator().manual_seed(k)
         bias = torch.randn(n, generator=gen).to(dtype).cuda()
-        for rows in (1, 2, 15, 16, 17, 33, 64, 65, 300):
+        for rows in (1, 2, 15, 16, 17, 33, 64, 65, 130, 256, 300):
             x = torch.randn(rows, k, generator=gen).to(dtype).cuda()
             expected = _oracle(x, q, bias.float(), w)
             # the GEMM rounds only its output; the prefill path the weight too (to x's dtype)
