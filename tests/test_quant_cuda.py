@@ -60,7 +60,7 @@ def _oracle(
 
 # ---- the pack (no GPU) --------------------------------------------------------------------------------------
 
-SHAPES = [(64, 64), (40, 96), (130, 576), (16, 256), (200, 192)]  # N, K: partial n16 and CTA tiles, k_pad > K
+SHAPES = [(40, 96), (130, 576), (16, 256)]  # N, K: partial n16 and CTA tiles, k_pad > K
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -232,11 +232,11 @@ def test_cuda_ops_have_a_quantized_linear_of_the_contract(emulated):
 @pytest.mark.parametrize("rows", [1, 7, 33, 64, 65, 150, 256, 257])
 def test_emulated_quant_linear_matches_the_float64_oracle(emulated, rows):
     ops, launcher = emulated
-    q = _random_weight(200, 4096, 4, 128, SCALE_F16, seed=rows)
+    q = _random_weight(200, 2048, 4, 128, SCALE_F16, seed=rows)
     packed = ops.quant_linear.pack_quant_weight(q, torch.device("cpu"))
-    x = torch.randn(rows, 4096, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    x = torch.randn(rows, 2048, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     bias = torch.randn(200).to(torch.bfloat16)
-    got = ops.quant_linear.linear_quant(x.view(1, rows, 4096), packed, bias)
+    got = ops.quant_linear.linear_quant(x.view(1, rows, 2048), packed, bias)
     assert got.shape == (1, rows, 200) and got.dtype == torch.bfloat16
     expected = _oracle(x, q, bias.float())
     # the GEMM rounds only its output; the prefill path the weight too (to bf16, as a dequantized model)
@@ -247,7 +247,7 @@ def test_emulated_quant_linear_matches_the_float64_oracle(emulated, rows):
         (name, (_, splits, row_ctas)), *rest = launcher.launches
         assert name.startswith("quant_gemm_bf16_i4_s16_o1_m") and row_ctas == math.ceil(rows / 64)
         assert [n for n, _ in rest] == (["quant_reduce_bf16"] if splits > 1 else [])
-        if rows <= 64:  # 4 CTAs of columns: a decode splits K (16 phases) so that every SM gets work
+        if rows <= 64:  # 4 CTAs of columns: a decode splits K (8 phases) so that every SM gets work
             assert splits > 1
     else:
         assert names == ["quant_dequant_bf16_i4_s16_o1"]
@@ -347,8 +347,8 @@ GPU_SHAPES = [(200, 576), (72, 192), (1000, 2752)]
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("group", [16, 32, 64, 128, -1])
 def test_gemm_matches_float64_oracle(cuda, dtype, bits, kind, group):
-    # Llama-7B's q projection for the group sizes GPTQ and AWQ checkpoints use
-    shapes = GPU_SHAPES + ([(4096, 4096)] if group in (128, -1) and kind != SCALE_F32 else [])
+    # Llama-7B's q projection in GPTQ's and AWQ's usual groups (once per dtype and width: it takes seconds)
+    shapes = GPU_SHAPES + ([(4096, 4096)] if group == 128 and kind == SCALE_F16 else [])
     for n, k in shapes:
         g = k if group == -1 else group
         if k % g:
