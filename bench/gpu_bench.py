@@ -297,7 +297,8 @@ def quant_decode_fraction(device: torch.device, copy_bytes_per_s: float) -> dict
             "bw_fraction": fraction,
         }
         log(
-            f"int4 linear M=1 {n}x{k}: kernels {us:.1f} us ({fraction:.2f} of the copy bandwidth), call {call_us:.1f} us"
+            f"int4 linear M=1 {n}x{k}: kernels {us:.1f} us ({fraction:.2f} of the copy bandwidth), "
+            f"call {call_us:.1f} us"
         )
         total_bytes += nbytes
         total_us += us

@@ -716,9 +716,9 @@ def choose_quant_splits(
 
 class CudaQuantLinear:
     """The quantized linear (kernels.ops.QuantLinearKernels) on CUDA: up to QUANT_MAX_ROWS rows of bf16 or fp16
-    x through quant_gemm.cu's tensor-core GEMM (64 rows a CTA); more rows (prefill), float32 x, or a group size the GEMM does
-    not take, through the weight dequantized to x's dtype by quant_gemm.cu and PyTorch's matmul (cuBLAS),
-    QUANT_DEQUANT_BYTES of it at a time."""
+    x through quant_gemm.cu's tensor-core GEMM (64 rows a CTA); more rows (prefill), float32 x, or a group
+    size the GEMM does not take, through the weight dequantized to x's dtype by quant_gemm.cu and PyTorch's
+    matmul (cuBLAS), QUANT_DEQUANT_BYTES of it at a time."""
 
     dtypes = frozenset((torch.bfloat16, torch.float16, torch.float32))
 

@@ -6,9 +6,10 @@ decodes them: shifts, nibble and byte pairs), and the launches CudaQuantLinear p
 arguments, the prefill's chunks) give the float64 oracle's product when executed in PyTorch.
 
 With a GPU and CuPy: the GEMM against a float64 oracle of dequantize(q) @ x for int4 and int8, every scale
-form, group sizes 16 .. K, 1 .. 256 rows (several CTAs of 64 along grid z past 64) and prefill rows, edge sizes of N and K, forced split counts; the
-dequantizing kernel bit for bit; and a GPTQ checkpoint kept quantized on CUDA decoding the same greedy tokens
-as its dequantized model.
+form, group sizes 16 .. K, 1 .. 256 rows (CTAs of 64 along grid z past 64) and prefill rows, edge sizes of N
+and K, forced split counts; the dequantizing kernel bit for bit; a GPTQ checkpoint kept quantized by the
+worker's runner on CUDA decoding the greedy tokens of the CPU runner on its dequantized weights; and the
+bf16 model on the GEMM as close to the float32 model as the dequantized bf16 model.
 """
 
 from __future__ import annotations
