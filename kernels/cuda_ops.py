@@ -580,20 +580,6 @@ class CudaQuantWeight:
     def device(self) -> torch.device:
         return self.codes.device
 
-    def to(self, device: torch.device | str) -> CudaQuantWeight:
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device)
-
-        return CudaQuantWeight(
-            move(self.codes),
-            move(self.scales),
-            move(self.offsets),
-            self.bits,
-            self.group_size,
-            self.n,
-            self.k,
-        )
-
     def nbytes(self) -> int:
         parts = [self.codes, self.scales] + ([] if self.offsets is None else [self.offsets])
         return sum(t.numel() * t.element_size() for t in parts)
