@@ -40,6 +40,10 @@ from pagedserve.kernels.quant import (
 )
 
 KINDS = [SCALE_F32, SCALE_F16, SCALE_F16_NO_OFFSET]
+PROMPTS = [
+    [5, 17, 42, 9, 77, 3, 61, 90, 12, 33, 2, 8, 19, 4, 66, 70, 71, 13, 99, 100, 1, 2, 3],
+    [7, 8, 9, 10],
+]
 _skip_without_cuda = pytest.mark.skipif(
     not cuda_ops.is_available(), reason="needs a CUDA device and a matching CuPy"
 )
@@ -318,6 +322,28 @@ def test_quant_linear_module_gathers_act_order_columns_and_adds_its_bias(emulate
     got = layer(x)
     assert got.shape == (2, 3, 48)
     torch.testing.assert_close(got.double(), expected, rtol=2**-7, atol=expected.abs().max().item() * 2**-9)
+
+
+def test_the_runner_on_the_cuda_ops_keeps_gptq_quantized_and_decodes_as_its_dequantized_model(tmp_path):
+    """The worker's runner through the CUDA ops (launches executed in PyTorch) on a GPTQ checkpoint with act
+    order: kept quantized, the greedy tokens of the CPU runner on the weights it dequantizes to."""
+    from worker_testing import drive_greedy, make_runner
+
+    from pagedserve.worker_svc.model import QuantLinear
+
+    q, ref = _quantized_tiny_llama(tmp_path, 4, 64, desc_act=True)
+    launcher = QuantEmulatedLauncher()
+    runner = make_runner(q, num_blocks=32, block_size=16, ops=CudaOps(torch.device("cpu"), launcher))
+    layer = runner.model.layers[0].mlp.down_proj  # (fused shards of different column orders load dequantized)
+    assert (
+        isinstance(layer, QuantLinear)
+        and isinstance(layer.weight, CudaQuantWeight)
+        and layer.perm is not None
+    )
+    cpu = make_runner(ref, num_blocks=32, block_size=16)
+    assert drive_greedy(runner, PROMPTS, 16, steps=12) == drive_greedy(cpu, PROMPTS, 16, steps=12)
+    # float32 activations: the weight dequantized by the kernel, then the matmul
+    assert any(name == "quant_dequant_fp32_i4_s32_o1" for name, _ in launcher.launches)
 
 
 def test_split_heuristic_fills_the_sms_without_outweighing_the_weight():

@@ -289,19 +289,18 @@ class QuantLinear(nn.Module):
 
 
 def can_quantize_linears(ops: Ops, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether QuantLinear applies: the CPU kernels' quantized linear (AVX-512), float32 or bf16 activations;
-    on CUDA, the CUDA kernels' (ops.quant_linear: CuPy and a device)."""
-    if device.type == "cuda":
-        return quant_linear_for(ops, dtype) is not None
-    kernels = linear_for(ops, dtype) if device.type == "cpu" else None
-    return kernels is not None and getattr(kernels, "linear_quant", None) is not None
+    """Whether QuantLinear applies: see quant_kernels."""
+    return quant_kernels(ops, dtype, device) is not None
 
 
 def quant_kernels(ops: Ops, dtype: torch.dtype, device: torch.device) -> Any:
-    """The kernels QuantLinear multiplies with (see can_quantize_linears)."""
-    if device.type == "cuda":
-        return quant_linear_for(ops, dtype)
-    return linear_for(ops, dtype)
+    """The kernels QuantLinear multiplies with, or None: the backend's own quantized linear (ops.quant_linear:
+    CUDA's, with CuPy and a device), else on a CPU the C++ kernels' (AVX-512), float32 or bf16 activations."""
+    own = quant_linear_for(ops, dtype)
+    if own is not None:
+        return own
+    kernels = linear_for(ops, dtype) if device.type == "cpu" else None
+    return kernels if getattr(kernels, "linear_quant", None) is not None else None
 
 
 def can_pack_linears(dtype: torch.dtype, device: torch.device) -> bool:
