@@ -10,6 +10,10 @@ with the default model's tokenizer and vocabulary so that text round-trips:
                                    bytes over the measured device copy bandwidth
   decode_attention_bw_fraction     the paged decode attention at the goal shape (batch 64, 4096 positions,
                                    32 query / 8 kv heads of 128, bf16, blocks of 16) over the copy bandwidth
+  quant_decode_bw_fraction         the int4 quantized linear (kernels/quant_gemm.cu) at one row on Llama-7B's
+                                   shapes (4096x4096, 11008x4096, 4096x11008; groups of 128, fp16 scales and
+                                   offsets, random codes): its bytes (codes, scales, x, out) per second over
+                                   the copy bandwidth, all three timed together
   served_stack_ok (+ TTFT, TPOT)   `pagedserve serve` on the model, loaded by `pagedserve bench serve` at
                                    concurrency 1 and 64, with the worker's time between forward passes
 
@@ -232,6 +236,77 @@ def decode_attention_fraction(device: torch.device, copy_bytes_per_s: float) -> 
     return row["pct"] / 100
 
 
+# Llama-7B's linear shapes, [N, K]: q/k/v/o, gate and up, down.
+QUANT_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008))
+
+
+def kernel_us(fn, prefix: str, flush: torch.Tensor, iters: int = 20) -> float | None:
+    """Device time per call of the kernels named prefix* that fn launches (CUPTI, through torch's profiler),
+    flush zeroed before each call so that nothing is read from L2; None where the profiler saw none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    total = 0.0
+    for avg in prof.key_averages():
+        if avg.key.startswith(prefix):
+            total += getattr(avg, "device_time_total", None) or getattr(avg, "cuda_time_total", 0.0)
+    return total / iters if total > 0 else None
+
+
+def quant_decode_fraction(device: torch.device, copy_bytes_per_s: float) -> dict:
+    """The int4 quantized linear at one bf16 row (decode) on QUANT_SHAPES: each shape's share of the copy
+    bandwidth and the three together (total bytes over total time). The time is the kernels' own on the
+    device (the GEMM and its split-K reduction; L2 flushed before each call); the call's time from the host
+    (CUDA events, launches included) is reported beside it."""
+    if device.type != "cuda":
+        return {}
+    from bench_kernels import Timer
+
+    from pagedserve.kernels import cuda_ops
+    from pagedserve.kernels.quant import QuantizedWeight
+
+    ops = cuda_ops.CudaOps(device)
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    timer = Timer(l2)
+    gen = torch.Generator(device=device).manual_seed(0)
+    result: dict = {"quant_decode_by_shape": {}}
+    total_bytes = total_us = 0.0
+    for n, k in QUANT_SHAPES:
+        codes = torch.randint(0, 16, (n, k), generator=gen, device=device, dtype=torch.uint8)
+        scales = (torch.rand(n, k // 128, generator=gen, device=device) * 0.02 + 1e-3).half().float()
+        offsets = (-torch.rand(n, k // 128, generator=gen, device=device) * 0.1).half().float()
+        packed = ops.quant_linear.pack_quant_weight(QuantizedWeight(codes, scales, offsets, 4, 128), device)
+        del codes, scales, offsets
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+
+        def call(x=x, packed=packed):
+            return ops.quant_linear.linear_quant(x, packed, None)
+
+        call_us = timer(call)  # warms up (compiles) too
+        us = kernel_us(call, "quant_", timer.scratch) or call_us
+        nbytes = packed.nbytes() + 2 * (k + n)
+        fraction = nbytes / (us * 1e-6) / copy_bytes_per_s
+        result["quant_decode_by_shape"][f"{n}x{k}"] = {
+            "kernel_us": us,
+            "call_us": call_us,
+            "bytes": nbytes,
+            "bw_fraction": fraction,
+        }
+        log(
+            f"int4 linear M=1 {n}x{k}: kernels {us:.1f} us ({fraction:.2f} of the copy bandwidth), "
+            f"call {call_us:.1f} us"
+        )
+        total_bytes += nbytes
+        total_us += us
+        del packed
+    result["quant_decode_bw_fraction"] = total_bytes / (total_us * 1e-6) / copy_bytes_per_s
+    return result
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -365,6 +440,7 @@ TABLE = [
     ("single stream floor (weights / copy bandwidth), ms", "single_stream_floor_ms", "{:.3f}"),
     ("single stream against its floor (goal <= 1.2x)", "single_stream_vs_floor", "{:.2f}x"),
     ("decode attention, share of copy bandwidth (goal >= 0.8)", "decode_attention_bw_fraction", "{:.2f}"),
+    ("int4 decode linear, share of copy bandwidth (goal >= 0.7)", "quant_decode_bw_fraction", "{:.2f}"),
     ("served stack healthy", "served_stack_ok", "{}"),
     (
         "served, concurrency 1: TTFT / TPOT median ms",
@@ -415,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--junit", type=Path, default=None, help="the GPU tests' JUnit XML")
     parser.add_argument("--json", type=Path, default=RESULTS / "gpu_check.json")
     parser.add_argument("--markdown", type=Path, default=RESULTS / "gpu_bench.md")
-    parser.add_argument("--skip", default="", help="comma-separated: offline,hf,attention,served")
+    parser.add_argument("--skip", default="", help="comma-separated: offline,hf,attention,quant,served")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     skip = set(filter(None, args.skip.split(",")))
@@ -444,6 +520,11 @@ def main(argv: list[str] | None = None) -> int:
         report["copy_gb_s"] = copy / 1e9
         if "attention" not in skip:
             report["decode_attention_bw_fraction"] = decode_attention_fraction(device, copy)
+            free(device)
+            save()
+        if "quant" not in skip:
+            log("the int4 quantized linear at one row on Llama-7B's shapes")
+            report |= quant_decode_fraction(device, copy)
             free(device)
             save()
         if "offline" not in skip:

@@ -3,7 +3,7 @@
 #   1. report what is there (GPU, python, torch, CuPy, nvcc, wheels carried in .whl/)
 #   2. install torch (CUDA) / CuPy from .whl/ if missing, and the project itself (--no-deps)
 #   3. compile every kernel (NVRTC, in parallel, warming CuPy's cache), run the GPU tests (the kernels,
-#      the runner on CUDA against the CPU's, the sampler), failing if any of them skips
+#      the runner on CUDA against the CPU's, the sampler, the quantized linear), failing if any skips
 #   4. the goals side by side (bench/gpu_bench.py): docs/gpu-check.json and a markdown table
 # Results go to $OUT (or bench/results); each stage has its own time limit, the whole under 8 minutes.
 set -u
@@ -89,9 +89,11 @@ import cupy; print('cupy', cupy.__version__, 'runtime', cupy.cuda.runtime.runtim
 
 # (The nvcc compile test is the CI check and runs without a GPU; it is not repeated here.)
 # The GPU tests: the kernels against the reference, the runner on CUDA against the CPU's, the sampler on
-# CUDA. A skipped test counts as a failure here: a GPU check that skips (no CuPy, no device) proves nothing.
+# CUDA, the quantized linear (its GEMM against a float64 oracle, a GPTQ checkpoint kept quantized). A skipped
+# test counts as a failure here: a GPU check that skips (no CuPy, no device) proves nothing.
 stage "GPU tests" 240 $PY -m pytest -q -p no:cacheprovider --maxfail 20 --timeout 220 -m cuda -rs \
-  tests/test_kernels_cuda.py tests/test_cuda_runner.py tests/test_sampler.py --junitxml "$OUT_DIR/gpu_tests.xml"
+  tests/test_kernels_cuda.py tests/test_cuda_runner.py tests/test_sampler.py tests/test_quant_cuda.py \
+  --junitxml "$OUT_DIR/gpu_tests.xml"
 stage "no GPU test skipped" 10 $PY -c '
 import sys, xml.etree.ElementTree as ET
 counts = [(int(s.get("tests", 0)), int(s.get("skipped", 0))) for s in ET.parse(sys.argv[1]).getroot().iter("testsuite")]

@@ -1,6 +1,7 @@
 """CUDA implementation of the kernel ops (kernels/ops.py): CudaOps, whose paged cache ops are the kernels in
 kernels/*.cu and whose small pointwise ops, argmax included, are the reference's PyTorch ops on the GPU
-(the model's linear layers are PyTorch's).
+(the model's linear layers are PyTorch's, but for quantized weights kept quantized: CudaQuantLinear,
+kernels/quant_gemm.cu).
 
 The kernels in kernels/*.cu are compiled at run time with NVRTC through CuPy (RawModule, one module per
 template instantiation, cached in memory and by CuPy on disk) and launched on torch's current stream with
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from pagedserve.kernels.ops import check_attention, check_copy_blocks, check_write_kv, int32
+from pagedserve.kernels.quant import SCALE_F32, QuantizedWeight, scale_kind
 from pagedserve.kernels.reference import ReferenceOps
 
 __all__ = [
@@ -46,7 +48,7 @@ __all__ = [
 ]
 
 KERNEL_DIR = Path(__file__).resolve().parent
-CU_FILES = ("cache_ops.cu", "decode_attention.cu", "prefill_attention.cu")
+CU_FILES = ("cache_ops.cu", "decode_attention.cu", "prefill_attention.cu", "quant_gemm.cu")
 
 # What the templates are instantiated for. The loader refuses anything else with a clear error.
 DTYPE_TAGS: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -63,6 +65,20 @@ PREFILL_ROWS = 16
 PREFILL_BK = 32
 MIN_SPLIT_TOKENS = 512  # a split-K partition shorter than this costs more in merging than it gains
 MAX_SPLITS = 64
+# The quantized linear (quant_gemm.cu): m16 tiles of rows per CTA (template MT; more rows than the largest
+# takes use several CTAs along grid z), the most rows it takes (decode batches up to the largest CUDA graph;
+# more go to the dequantized weight and cuBLAS, whose traffic no longer outweighs the codes' rereads), and
+# its constants.
+QUANT_ROW_TILES = (1, 2, 4)
+QUANT_MAX_ROWS = 256
+QUANT_THREADS = 128
+QUANT_CTA_COLUMNS = 64  # PS_QG_NCTA
+QUANT_KSTAGE = 256  # PS_QG_KSTAGE
+QUANT_GROUP_SLOTS = QUANT_KSTAGE // 16 + 1  # PS_QG_GSLOTS
+QUANT_CHUNK = {4: 64, 8: 32}  # k of one lane's 16-byte load (qg_chunk)
+QUANT_SCALE_TAGS = {torch.float32: "float", torch.float16: "unsigned short"}
+# A prefill's dequantized weight is made this many bytes at a time (whole weights where they fit).
+QUANT_DEQUANT_BYTES = 256 * 1024 * 1024
 
 # NOTE: no --use_fast_math (its __expf costs accuracy against the float32 reference, and the kernels are
 # memory-bound anyway). CuPy appends -ftz=true to every NVRTC compile, after these options, so subnormal
@@ -198,6 +214,32 @@ def prefill_entry(tag: str, head_size: int, block_size: int) -> Entry:
     return Entry("prefill_attention.cu", name, f"PS_PREFILL_KERNEL({name}, {tag}, {head_size}, {block_size})")
 
 
+def quant_gemm_entry(tag: str, bits: int, scale: torch.dtype, has_offset: bool, row_tiles: int) -> Entry:
+    s = "s16" if scale == torch.float16 else "s32"
+    name = f"quant_gemm_{tag}_i{bits}_{s}_o{int(has_offset)}_m{row_tiles}"
+    return Entry(
+        "quant_gemm.cu",
+        name,
+        f"PS_QUANT_GEMM_KERNEL({name}, {tag}, {bits}, {QUANT_SCALE_TAGS[scale]}, "
+        f"{str(has_offset).lower()}, {row_tiles})",
+    )
+
+
+def quant_reduce_entry(tag: str) -> Entry:
+    name = f"quant_reduce_{tag}"
+    return Entry("quant_gemm.cu", name, f"PS_QUANT_REDUCE_KERNEL({name}, {tag})")
+
+
+def quant_dequant_entry(tag: str, bits: int, scale: torch.dtype, has_offset: bool) -> Entry:
+    s = "s16" if scale == torch.float16 else "s32"
+    name = f"quant_dequant_{tag}_i{bits}_{s}_o{int(has_offset)}"
+    return Entry(
+        "quant_gemm.cu",
+        name,
+        f"PS_QUANT_DEQUANT_KERNEL({name}, {tag}, {bits}, {QUANT_SCALE_TAGS[scale]}, {str(has_offset).lower()})",
+    )
+
+
 def entries(file: str) -> list[Entry]:
     """Every instantiation the loader may ask for from `file` (CI compiles them all with nvcc)."""
     tags = list(DTYPE_TAGS.values())
@@ -214,6 +256,19 @@ def entries(file: str) -> list[Entry]:
         return decode + [merge_entry(t) for t in tags]
     if file == "prefill_attention.cu":
         return [prefill_entry(t, d, b) for t in tags for d in HEAD_SIZES for b in BLOCK_SIZES]
+    if file == "quant_gemm.cu":
+        forms = [(b, s, o) for b in QUANT_CHUNK for s in QUANT_SCALE_TAGS for o in (False, True)]
+        gemm = [
+            quant_gemm_entry(t, b, s, o, m)
+            for t in ("bf16", "fp16")
+            for b, s, o in forms
+            for m in QUANT_ROW_TILES
+        ]
+        return (
+            gemm
+            + [quant_reduce_entry(t) for t in ("bf16", "fp16")]
+            + [quant_dequant_entry(t, b, s, o) for t in tags for b, s, o in forms]
+        )
     raise ValueError(f"unknown kernel file {file}")
 
 
@@ -390,9 +445,17 @@ class CupyLauncher:
         raw = _raw_args(args, iter(tables))
         with cupy.cuda.Device(index), _external_stream(cupy, stream, index):
             # The attribute is the function's on the device whose context is current: the worker's, here.
-            if shared_mem > DEFAULT_SHARED_MEMORY and kernel.max_dynamic_shared_size_bytes < shared_mem:
-                kernel.max_dynamic_shared_size_bytes = shared_mem
+            # Set once per kernel and device, before any capture (the worker warms each graph's step up
+            # eagerly first), so a captured launch makes no driver call but the launch itself.
+            if shared_mem > DEFAULT_SHARED_MEMORY and _opted_in.get((entry, index), 0) < shared_mem:
+                if kernel.max_dynamic_shared_size_bytes < shared_mem:
+                    kernel.max_dynamic_shared_size_bytes = shared_mem
+                _opted_in[(entry, index)] = shared_mem
             kernel(grid, block, raw, shared_mem=shared_mem)
+
+
+# (kernel, device) -> the dynamic shared memory it has been allowed (above DEFAULT_SHARED_MEMORY).
+_opted_in: dict[tuple[Entry, int], int] = {}
 
 
 @functools.cache
@@ -485,6 +548,294 @@ def prefill_smem_bytes(head_size: int) -> int:
     return (PREFILL_ROWS * head_size + 2 * PREFILL_BK * (head_size + 1)) * 4
 
 
+# ---- the quantized linear's weight layout ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CudaQuantWeight:
+    """A QuantizedWeight laid out for quant_gemm.cu (pack_quant_weight_cuda; unpack_quant_weight_cuda reads it
+    back). Codes: for each n16 block and each chunk of QUANT_CHUNK[bits] k, 32 lanes x 4 words, lane (g, t)
+    holding the mma.m16n8k16 B fragments it multiplies: column g of both n8 tiles at k 2t, 2t + 1, 2t + 8,
+    2t + 9 of each k16 step. int4, word j = k16 step j: nibble e at bits 4e is column 8 ((e >> 1) & 1) + g,
+    k 2t + (e >> 2) + 8 (e & 1). int8 (stored as q + 128), word j = k16 step j >> 1 of n8 tile j & 1: byte e
+    is k 2t + (e & 1) + 8 (e >> 1). Padding (columns to n_pad, k to k_pad) holds zeros."""
+
+    codes: torch.Tensor  # int32 [n_pad / 16, k_pad / chunk, 32, 4]
+    scales: torch.Tensor  # [groups, n_pad] float32, or fp16 where every scale (and offset) is fp16 exactly
+    offsets: torch.Tensor | None  # [groups, n_pad] as scales, or None: all zero
+    bits: int  # 4 or 8
+    group_size: int  # k of a group
+    n: int  # output features
+    k: int  # input features
+
+    @property
+    def n_pad(self) -> int:
+        return self.scales.shape[1]
+
+    @property
+    def k_pad(self) -> int:
+        return self.codes.shape[1] * QUANT_CHUNK[self.bits]
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def nbytes(self) -> int:
+        parts = [self.codes, self.scales] + ([] if self.offsets is None else [self.offsets])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+
+def _code_positions(
+    bits: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For every code of one (n16 block, chunk) in the packed order [32 lanes, 4 words, codes of a word]: its
+    column within the block, its k within the chunk, and its bit offset in the word."""
+    lane = torch.arange(32, device=device).view(32, 1, 1)
+    j = torch.arange(4, device=device).view(1, 4, 1)
+    g, t = lane >> 2, lane & 3
+    if bits == 4:
+        e = torch.arange(8, device=device).view(1, 1, 8)
+        n = 8 * ((e >> 1) & 1) + g
+        k = 16 * j + 2 * t + (e >> 2) + 8 * (e & 1)
+        shift = 4 * e
+    else:
+        e = torch.arange(4, device=device).view(1, 1, 4)
+        n = 8 * (j & 1) + g
+        k = 16 * (j >> 1) + 2 * t + (e & 1) + 8 * (e >> 1)
+        shift = 8 * e
+    shape = (32, 4, 8 if bits == 4 else 4)
+    return n.expand(shape), k.expand(shape), shift.expand(shape)
+
+
+def quant_kernel_reason(weight: QuantizedWeight | CudaQuantWeight) -> str | None:
+    """Why quant_gemm.cu cannot take this weight (it then runs dequantized through cuBLAS), or None."""
+    if weight.group_size % 16 != 0:
+        return f"group size {weight.group_size} is not a multiple of 16"
+    return None
+
+
+def pack_quant_weight_cuda(q: QuantizedWeight, device: torch.device | None = None) -> CudaQuantWeight:
+    """q laid out for quant_gemm.cu (see CudaQuantWeight), on `device` (default q's), where it is packed: a
+    GPU packs a large model's weights in a fraction of the CPU's time."""
+    q.check("pack_quant_weight_cuda")
+    if device is not None:
+        q = QuantizedWeight(
+            q.codes.to(device),
+            q.scales.to(device),
+            None if q.offsets is None else q.offsets.to(device),
+            q.bits,
+            q.group_size,
+        )
+    n, k = q.shape
+    chunk = QUANT_CHUNK[q.bits]
+    n_pad = -(-n // QUANT_CTA_COLUMNS) * QUANT_CTA_COLUMNS
+    k_pad = -(-k // 64) * 64
+    codes = q.codes.to(torch.int64) if q.bits == 4 else q.codes.to(torch.int64) + 128
+    codes = torch.nn.functional.pad(codes, (0, k_pad - k, 0, n_pad - n))
+    cn, ck, shift = _code_positions(q.bits, codes.device)
+    blocks = codes.view(n_pad // 16, 16, k_pad // chunk, chunk)  # [block, column, chunk, k]
+    gathered = blocks[:, cn, :, ck]  # [lane, word, code, block, chunk]
+    words = (gathered << shift.reshape(32, 4, -1, 1, 1)).sum(dim=2)  # [lane, word, block, chunk]
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    codes_packed = words.permute(2, 3, 0, 1).contiguous()
+    kind = scale_kind(q)
+    scale_dtype = torch.float32 if kind == SCALE_F32 else torch.float16
+
+    def columns(t: torch.Tensor) -> torch.Tensor:  # [N, groups] -> [groups, n_pad]
+        return torch.nn.functional.pad(t.T, (0, n_pad - n)).to(scale_dtype).contiguous()
+
+    has_offset = q.offsets is not None and bool(q.offsets.any())
+    return CudaQuantWeight(
+        codes=codes_packed,
+        scales=columns(q.scales),
+        offsets=columns(q.offsets) if has_offset else None,
+        bits=q.bits,
+        group_size=q.group_size,
+        n=n,
+        k=k,
+    )
+
+
+def unpack_quant_weight_cuda(packed: CudaQuantWeight) -> QuantizedWeight:
+    """The QuantizedWeight a CudaQuantWeight holds, read back from its layout in PyTorch (the inverse of
+    pack_quant_weight_cuda; the tests' check of the layout, and the CUDA emulation's weight)."""
+    bits, chunk = packed.bits, QUANT_CHUNK[packed.bits]
+    cn, ck, shift = _code_positions(bits, packed.device)
+    words = packed.codes.to(torch.int64) & 0xFFFFFFFF  # [block, chunk, lane, word]
+    mask = 0xF if bits == 4 else 0xFF
+    values = (words.unsqueeze(-1) >> shift) & mask  # [block, chunk, lane, word, code]
+    blocks, chunks = words.shape[:2]
+    codes = torch.zeros(blocks, 16, chunks, chunk, dtype=torch.int64, device=words.device)
+    codes[:, cn, :, ck] = values.permute(2, 3, 4, 0, 1)
+    codes = codes.view(blocks * 16, chunks * chunk)[: packed.n, : packed.k]
+    codes = codes.to(torch.uint8) if bits == 4 else (codes - 128).to(torch.int8)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t[:, : packed.n].T.to(torch.float32).contiguous()
+
+    return QuantizedWeight(
+        codes=codes.contiguous(),
+        scales=rows(packed.scales),
+        offsets=None if packed.offsets is None else rows(packed.offsets),
+        bits=bits,
+        group_size=packed.group_size,
+    )
+
+
+def quant_smem_bytes(row_tiles: int, scale_dtype: torch.dtype) -> int:
+    """Dynamic shared memory of a quant_gemm CTA (qg_smem::BYTES)."""
+    x_bytes = 16 * row_tiles * (QUANT_KSTAGE + 8) * 2
+    s_bytes = QUANT_GROUP_SLOTS * QUANT_CTA_COLUMNS * torch.finfo(scale_dtype).bits // 8
+    return 2 * (x_bytes + 2 * s_bytes)
+
+
+def choose_quant_splits(
+    n_ctas: int, phases: int, rows: int, n_pad: int, weight_bytes: int, num_sms: int
+) -> int:
+    """Split-K count of the quantized GEMM: enough CTAs for about four per SM (a single row's decode of a
+    4096-wide layer has only 64 column tiles), no more than the phases of K, and float32 partial sums
+    (written and read back) of no more bytes than the weight itself."""
+    want = max(1, math.ceil(4 * num_sms / n_ctas))
+    by_traffic = max(1, weight_bytes // (rows * n_pad * 8))
+    return max(1, min(want, phases, by_traffic))
+
+
+class CudaQuantLinear:
+    """The quantized linear (kernels.ops.QuantLinearKernels) on CUDA: up to QUANT_MAX_ROWS rows of bf16 or fp16
+    x through quant_gemm.cu's tensor-core GEMM (64 rows a CTA); more rows (prefill), float32 x, or a group
+    size the GEMM does not take, through the weight dequantized to x's dtype by quant_gemm.cu and PyTorch's
+    matmul (cuBLAS), QUANT_DEQUANT_BYTES of it at a time."""
+
+    dtypes = frozenset((torch.bfloat16, torch.float16, torch.float32))
+
+    def __init__(self, launcher: KernelLauncher) -> None:
+        self.launcher = launcher
+
+    def pack_quant_weight(self, weight: QuantizedWeight, device: torch.device) -> CudaQuantWeight:
+        return pack_quant_weight_cuda(weight, device)
+
+    def linear_quant(
+        self, x: torch.Tensor, packed: CudaQuantWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        assert x.shape[-1] == packed.k, (x.shape, packed.k)
+        assert x.dtype in self.dtypes, x.dtype
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, packed.k)
+        rows = x2.shape[0]
+        if rows == 0:
+            return x.new_empty(*lead, packed.n)
+        if rows <= QUANT_MAX_ROWS and x.dtype != torch.float32 and quant_kernel_reason(packed) is None:
+            out = self.gemm(x2, packed, bias, None)
+        else:
+            out = self.dequantized_matmul(x2, packed, bias)
+        return out.view(*lead, packed.n)
+
+    def gemm(
+        self, x: torch.Tensor, packed: CudaQuantWeight, bias: torch.Tensor | None, num_splits: int | None
+    ) -> torch.Tensor:
+        """x [M <= QUANT_MAX_ROWS, K] (bf16 or fp16) times the packed weight on tensor cores, plus bias; an
+        explicit split-K count (None: choose_quant_splits) for the tests and the benchmark."""
+        rows = x.shape[0]
+        assert 0 < rows <= QUANT_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16), (x.shape, x.dtype)
+        device = packed.device
+        tag = DTYPE_TAGS[x.dtype]
+        x = _aligned(x)
+        row_tiles = next((m for m in QUANT_ROW_TILES if rows <= 16 * m), QUANT_ROW_TILES[-1])
+        row_ctas = math.ceil(rows / (16 * row_tiles))
+        n_ctas = packed.n_pad // QUANT_CTA_COLUMNS
+        phases = math.ceil(packed.k_pad / QUANT_KSTAGE)
+        if num_splits is None:
+            num_splits = choose_quant_splits(
+                n_ctas * row_ctas, phases, rows, packed.n_pad, packed.nbytes(), self.launcher.num_sms(device)
+            )
+        per_split = math.ceil(phases / max(1, min(num_splits, phases)))
+        num_splits = math.ceil(phases / per_split)  # every split non-empty
+        out = torch.empty(rows, packed.n, device=device, dtype=x.dtype)
+        partial = (
+            torch.empty(num_splits, rows, packed.n_pad, device=device, dtype=torch.float32)
+            if num_splits > 1
+            else out
+        )
+        bias_arg = np.uint64(0) if bias is None else bias.to(x.dtype).contiguous()
+        has_offset = packed.offsets is not None
+        args = (
+            out,
+            partial,
+            x,
+            packed.codes,
+            packed.scales,
+            packed.offsets if has_offset else packed.scales,
+            bias_arg,
+            np.int32(rows),
+            np.int32(packed.n),
+            np.int32(packed.k),
+            np.int32(packed.n_pad),
+            np.int32(packed.k_pad),
+            np.int32(packed.group_size),
+            np.int32(per_split),
+        )
+        entry = quant_gemm_entry(tag, packed.bits, packed.scales.dtype, has_offset, row_tiles)
+        smem = quant_smem_bytes(row_tiles, packed.scales.dtype)
+        grid = (n_ctas, num_splits, row_ctas)
+        self.launcher.launch(device, entry, grid, (QUANT_THREADS,), args, shared_mem=smem)
+        if num_splits > 1:
+            reduce_args = (
+                out,
+                partial,
+                bias_arg,
+                np.int32(rows),
+                np.int32(packed.n),
+                np.int32(packed.n_pad),
+                np.int32(num_splits),
+            )
+            grid = (math.ceil(rows * packed.n / 256),)
+            self.launcher.launch(device, quant_reduce_entry(tag), grid, (256,), reduce_args)
+        return out
+
+    def dequantize(
+        self, packed: CudaQuantWeight, dtype: torch.dtype, n_begin: int = 0, rows: int | None = None
+    ) -> torch.Tensor:
+        """Rows [n_begin, n_begin + rows) of the weight, scale * code + offset rounded once to dtype: [rows, K]
+        (the bits of kernels.quant.dequantize(q).to(dtype)). n_begin is a multiple of 16."""
+        rows = packed.n - n_begin if rows is None else rows
+        assert n_begin % 16 == 0 and rows > 0 and n_begin + rows <= packed.n, (n_begin, rows, packed.n)
+        device = packed.device
+        out = torch.empty(rows, packed.k, device=device, dtype=dtype)
+        has_offset = packed.offsets is not None
+        words = math.ceil(rows / 16) * (packed.k_pad // QUANT_CHUNK[packed.bits]) * 32 * 4
+        args = (
+            out,
+            packed.codes,
+            packed.scales,
+            packed.offsets if has_offset else packed.scales,
+            np.int32(packed.k),
+            np.int32(packed.n_pad),
+            np.int32(packed.k_pad),
+            np.int32(packed.group_size),
+            np.int32(n_begin),
+            np.int32(rows),
+        )
+        entry = quant_dequant_entry(_tag(dtype), packed.bits, packed.scales.dtype, has_offset)
+        self.launcher.launch(device, entry, (math.ceil(words / 256),), (256,), args)
+        return out
+
+    def dequantized_matmul(
+        self, x: torch.Tensor, packed: CudaQuantWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, K] times the weight dequantized to x's dtype, QUANT_DEQUANT_BYTES of rows at a time."""
+        step = max(16, QUANT_DEQUANT_BYTES // (packed.k * x.element_size()) // 16 * 16)
+        if step >= packed.n:
+            return torch.nn.functional.linear(x, self.dequantize(packed, x.dtype), bias)
+        out = torch.empty(x.shape[0], packed.n, device=x.device, dtype=x.dtype)
+        for begin in range(0, packed.n, step):
+            end = min(packed.n, begin + step)
+            w = self.dequantize(packed, x.dtype, begin, end - begin)
+            out[:, begin:end] = x @ w.T
+        if bias is not None:
+            out += bias.to(out.dtype)
+        return out
+
+
 # ---- the ops ---------------------------------------------------------------------------------------------
 
 
@@ -500,6 +851,7 @@ class CudaOps(ReferenceOps):
         (CuPy's: it loads and compiles one); kernels.get_ops then takes the reference."""
         self.launcher = launcher or CupyLauncher()
         self.launcher.prepare(device)
+        self.quant_linear = CudaQuantLinear(self.launcher)
 
     def write_kv(
         self,

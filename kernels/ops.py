@@ -24,9 +24,11 @@ The argument checks every backend shares are the check_* helpers below.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from pagedserve.kernels.quant import QuantizedWeight
 
 
 @runtime_checkable
@@ -44,6 +46,25 @@ class LinearKernels(Protocol):
         self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """x [..., K] in the weight's dtype times the packed weight, plus bias [N] -> [..., N]."""
+        ...
+
+
+@runtime_checkable
+class QuantLinearKernels(Protocol):
+    """A backend's own weight-only quantized linear: y = x @ W^T + bias, W a kernels.quant.QuantizedWeight
+    packed once into the backend's layout (the CPU kernels' is reached through `linear.linear_quant` and
+    kernels.quant.pack_quant_weight instead: see worker_svc/model.py's QuantLinear)."""
+
+    # Activation dtypes it multiplies; the packed weight serves all of them.
+    dtypes: frozenset[torch.dtype]
+
+    def pack_quant_weight(self, weight: QuantizedWeight, device: torch.device) -> Any:
+        """The weight in the backend's layout on `device` (an object the backend's linear_quant reads)."""
+        ...
+
+    def linear_quant(self, x: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] in one of `dtypes` times the packed weight, plus bias [N] -> [..., N] in x's dtype,
+        summed in float32."""
         ...
 
 
@@ -114,6 +135,7 @@ class Ops(Protocol):
 
     name: str  # "reference", "cpu" or "cuda": which backend, for logs
     linear: LinearKernels | None  # the backend's own linear layer, or None: PyTorch's
+    quant_linear: QuantLinearKernels | None  # the backend's own quantized linear (CUDA), or None
     decoder_stack: DecoderStackFactory | None  # all layers in one call (needs `linear`), or None
     # Batch invariance, set by the worker (--deterministic): every row's result has the same bits whatever
     # the rest of its step and the thread count (docs/kernels.md, "Batch invariance"). False: the kernels
@@ -211,6 +233,12 @@ class Ops(Protocol):
         (rows None: row i) may take token t only where bit t % 32 of masks[i, t // 32] (int32 [M, ceil(V / 32)])
         is set; the other rows are argmax's. As argmax of x widened to float32 after that masked_fill."""
         ...
+
+
+def quant_linear_for(ops: Ops, dtype: torch.dtype) -> QuantLinearKernels | None:
+    """ops' own quantized linear for activations of dtype, or None."""
+    kernels = ops.quant_linear
+    return kernels if kernels is not None and dtype in kernels.dtypes else None
 
 
 def linear_for(ops: Ops, dtype: torch.dtype) -> LinearKernels | None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from pagedserve.kernels.ops import (
     DecoderStackFactory,
     LinearKernels,
+    QuantLinearKernels,
     check_attention,
     check_copy_blocks,
     check_write_kv,
@@ -35,6 +36,7 @@ class ReferenceOps:
 
     name = "reference"
     linear: LinearKernels | None = None  # the model's linear layers are PyTorch's
+    quant_linear: QuantLinearKernels | None = None  # quantized weights load dequantized
     decoder_stack: DecoderStackFactory | None = None
     # NOTE: PyTorch's matmuls and SDPA choose their blocking by the shape: setting it changes nothing here.
     batch_invariant: bool = False

@@ -3,7 +3,8 @@ instantiation the loader can ask for (the same source string NVRTC gets at run t
 
 Every instantiation goes through the front end and code generation (-ptx); ptxas, which is what takes the
 time with ~200 kernels, assembles one representative shape per dtype (it is where inline PTX such as the
-bf16 conversions is checked), so the test stays around a minute of CPU."""
+bf16 conversions and the quantized linear's mma, lop3 and cp.async are checked), so the test stays around
+a minute and a half of CPU."""
 
 from __future__ import annotations
 
@@ -28,7 +29,13 @@ MODES = ("ptx", "cubin")
 
 
 def _representative(entry: cuda_ops.Entry) -> bool:
-    """Shape-free kernels, and head size 128 / block size 16 / 4 heads per CTA of the templated ones."""
+    """Shape-free kernels, head size 128 / block size 16 / 4 heads per CTA of the attention templates, and
+    of the quantized linear's every inline-PTX path (both activation types and code widths, both scale
+    types, with and without offsets) at the fewest and the most rows."""
+    if entry.name.startswith("quant_gemm_"):
+        return entry.name.endswith(("_s32_o1_m4", "_s16_o0_m1"))
+    if entry.name.startswith("quant_dequant_"):
+        return entry.name.endswith("_s32_o1") or entry.name.endswith("_s16_o0")
     if not re.search(r"_d\d+_b\d+", entry.name):
         return True
     return "_d128_b16" in entry.name and entry.name.endswith(("_b16", "_g4"))

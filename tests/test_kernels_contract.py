@@ -14,7 +14,14 @@ import torch
 from pagedserve.kernels import get_ops
 from pagedserve.kernels.cpu_ops import CpuOps
 from pagedserve.kernels.cuda_ops import CudaOps
-from pagedserve.kernels.ops import DecoderStack, DecoderStackFactory, LinearKernels, Ops, linear_for
+from pagedserve.kernels.ops import (
+    DecoderStack,
+    DecoderStackFactory,
+    LinearKernels,
+    Ops,
+    QuantLinearKernels,
+    linear_for,
+)
 from pagedserve.kernels.reference import ReferenceOps
 
 BACKENDS = [ReferenceOps, CpuOps, CudaOps]
@@ -73,6 +80,7 @@ def test_every_backend_available_here_satisfies_the_contract():
     for ops in backends:
         assert isinstance(ops, Ops), ops
         assert ops.linear is None or isinstance(ops.linear, LinearKernels), ops
+        assert ops.quant_linear is None or isinstance(ops.quant_linear, QuantLinearKernels), ops
         # A stack runs the backend's own linears, so it comes with them.
         assert ops.decoder_stack is None or (
             isinstance(ops.decoder_stack, DecoderStackFactory) and ops.linear is not None

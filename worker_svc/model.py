@@ -23,7 +23,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import get_ops
-from pagedserve.kernels.ops import DecoderStack, DecoderStackFactory, LinearKernels, Ops, linear_for
+from pagedserve.kernels.ops import (
+    DecoderStack,
+    DecoderStackFactory,
+    LinearKernels,
+    Ops,
+    QuantLinearKernels,
+    linear_for,
+    quant_linear_for,
+)
 from pagedserve.kernels.quant import PackedRows, QuantizedWeight, pack_quant_weight
 from pagedserve.worker_svc import host_memory
 
@@ -246,8 +254,10 @@ class PackedLinear(nn.Module):
 
 class QuantLinear(nn.Module):
     """A linear layer whose weight stays quantized (int4 or int8 codes, a scale and offset per group of K;
-    kernels/quant.py), multiplied by the C++ kernels' quantized linear with activations of the model dtype
-    (float32 or bf16). `perm` (GPTQ's act order): x's columns in the codes' K order, gathered each call."""
+    kernels/quant.py), multiplied by the kernels' quantized linear with activations of the model dtype: the
+    C++ kernels' linear_quant on a CPU (float32 or bf16), the backend's own QuantLinearKernels elsewhere
+    (CUDA: bf16, fp16, float32). `perm` (GPTQ's act order): x's columns in the codes' K order, gathered each
+    call."""
 
     def __init__(
         self,
@@ -255,13 +265,20 @@ class QuantLinear(nn.Module):
         bias: torch.Tensor | None,
         kernels: Any,
         perm: torch.Tensor | None = None,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.kernels = kernels
-        # in huge pages: decode streams it every step, as PackedLinear's
-        packed = host_memory.in_huge_pages(pack_quant_weight(weight))
-        self.weight = nn.Parameter(packed, requires_grad=False)
+        if isinstance(kernels, QuantLinearKernels):
+            # the backend's own layout, on its device (an object its linear_quant reads, not a tensor)
+            assert device is not None
+            self.weight = kernels.pack_quant_weight(weight, device)
+            perm = None if perm is None else perm.to(device)
+        else:
+            # in huge pages: decode streams it every step, as PackedLinear's
+            packed = host_memory.in_huge_pages(pack_quant_weight(weight))
+            self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.perm = perm
 
@@ -292,9 +309,18 @@ class QuantEmbedding(nn.Module):
 
 
 def can_quantize_linears(ops: Ops, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether QuantLinear applies: the CPU kernels' quantized linear (AVX-512), float32 or bf16 activations."""
+    """Whether QuantLinear applies: see quant_kernels."""
+    return quant_kernels(ops, dtype, device) is not None
+
+
+def quant_kernels(ops: Ops, dtype: torch.dtype, device: torch.device) -> Any:
+    """The kernels QuantLinear multiplies with, or None: the backend's own quantized linear (ops.quant_linear:
+    CUDA's, with CuPy and a device), else on a CPU the C++ kernels' (AVX-512), float32 or bf16 activations."""
+    own = quant_linear_for(ops, dtype)
+    if own is not None:
+        return own
     kernels = linear_for(ops, dtype) if device.type == "cpu" else None
-    return kernels is not None and getattr(kernels, "linear_quant", None) is not None
+    return kernels if getattr(kernels, "linear_quant", None) is not None else None
 
 
 def can_pack_linears(dtype: torch.dtype, device: torch.device) -> bool:
@@ -575,7 +601,7 @@ class CausalLM(nn.Module):
         "lm_head" for the head, tied or not) with QuantLinear; see can_quantize_linears. pack_linears packs
         the others after. A model whose activations need a column gather (perms) runs the layer loop."""
         assert can_quantize_linears(self.ops, self.dtype, self.device), (self.dtype, self.device)
-        kernels = linear_for(self.ops, self.dtype)
+        kernels = quant_kernels(self.ops, self.dtype, self.device)
         perms = perms or {}
         for name, weight in weights.items():
             parent, _, attr = name.rpartition(".")
@@ -586,11 +612,15 @@ class CausalLM(nn.Module):
                 raise ValueError(
                     f"{name}: quantized weight of shape {weight.shape}, the model expects {tuple(shape)}"
                 )
-            layer = QuantLinear(weight, None if old is None else old.bias, kernels, perms.get(name))
+            layer = QuantLinear(
+                weight, None if old is None else old.bias, kernels, perms.get(name), self.device
+            )
             if name == "lm_head" and old is None:
-                # the tied head's codes are the embedding's: the lookup reads them, no float copy is kept
                 self.tied_head = layer
-                self.embed_tokens = QuantEmbedding(layer, self.dtype)
+                if not isinstance(kernels, QuantLinearKernels):
+                    # the tied head's CPU codes are the embedding's: the lookup reads them, no float copy is
+                    # kept (a backend's own layout keeps the dequantized embedding)
+                    self.embed_tokens = QuantEmbedding(layer, self.dtype)
             else:
                 setattr(module, attr, layer)
 
