@@ -74,6 +74,7 @@ def kernel_rounds(ops, rounds: int) -> list[dict]:
     head = ext.pack_linear_weight(torch.randn(49152, 576, generator=gen).bfloat16())
     row = {k: torch.randn(1, k_, generator=gen).bfloat16() for k, (_, k_) in shapes.items()}
     rows = torch.randn(1500, 576, generator=gen).bfloat16()
+    down_rows = torch.randn(1500, 1536, generator=gen).bfloat16()
 
     def layer_linears() -> None:
         for name, (n, w) in packed.items():
@@ -88,6 +89,11 @@ def kernel_rounds(ops, rounds: int) -> list[dict]:
         "one row: a layer's qkv, o, gate_up, down": (layer_linears, 20),
         "one row: the LM head (49152 x 576)": (lambda: ext.linear(row["qkv"], head, 49152, None), 10),
         "1500 rows: gate_up": (lambda: ext.linear(rows, packed["gate_up"][1], 3072, None), 5),
+        "1500 rows: gate_up and SiLU (the MLP's call)": (
+            lambda: ext.linear_silu(rows, packed["gate_up"][1], 1536, None),
+            5,
+        ),
+        "1500 rows: down": (lambda: ext.linear(down_rows, packed["down"][1], 576, None), 5),
         "a 500-token prompt's attention, one layer": (
             lambda: ops.paged_prefill_attention(
                 prompt_q,

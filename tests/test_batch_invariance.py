@@ -170,6 +170,21 @@ def test_a_prompt_rows_attention_has_the_bits_of_the_decode_step_at_its_position
     assert torch.equal(_chunks(case, query, [0, 100, 600, CONTEXT], others), decode)
 
 
+@pytest.mark.parametrize("block_size", [8, 5])
+def test_a_prompts_blocked_rows_pair_positions_as_the_decode_step_does_in_any_block_size(block_size, threads):
+    # Blocks of 8 positions (the blocked rows pair positions across two blocks of the cache at once) and of
+    # 5 (odd: the row kernel pairs positions inside each block, and the blocked rows leave such a cache to it).
+    context = 600
+    case = Case([context], block_size, 3, 64, torch.bfloat16, seed=block_size, layout="head-major")
+    query = torch.randn(context, 9, 64, generator=case.gen).bfloat16()
+    threads(1)
+    decode = _decode_rows(case, query, list(range(context)))
+    assert_matches_oracle(decode[-20:], oracle(query[-20:], case, [20], 0.125), torch.bfloat16)
+    for bounds, num_threads in itertools.product([[0, context], [0, 5, 41, 530, context]], [1, 2]):
+        threads(num_threads)
+        assert torch.equal(_chunks(case, query, bounds), decode), (bounds, num_threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_decode_rows_attention_is_the_same_in_any_batch_and_on_any_thread_count(dtype, threads):
     # Without batch invariance a lone long decode row's context is split by the thread count, a batch's

@@ -43,6 +43,7 @@ AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Te
   const bool can_tile =
       !invariant && kHasTiles && group <= kTileLanes && k_cache.size(3) % (vec::kLanes == 16 ? 16 : 1) == 0;
   if (invariant) max_pairs = -1;
+  const bool blocked_fit = invariant && blocked_rows_fit(k_cache);
   if (min_tile_lanes < 0) min_tile_lanes = kTileMinLanes;
   AttentionPlan plan;
   plan.chunks.reserve(num_tokens);
@@ -60,6 +61,13 @@ AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Te
       for (int64_t i = 0; i < q_len; i += rows)
         for (int64_t h = 0; h < k_cache.size(2); ++h)
           plan.tiles.push_back({s, h, start[s] + i, ctx[s] - q_len + i, std::min(rows, q_len - i)});
+      continue;
+    }
+    if (invariant && q_len >= kBlockedMinRows && blocked_fit) {
+      const int64_t num_row_blocks = (q_len + kBlockedRows - 1) / kBlockedRows;
+      const int64_t rows = (q_len + num_row_blocks - 1) / num_row_blocks;
+      for (int64_t i = 0; i < q_len; i += rows)
+        plan.blocks.push_back({s, start[s] + i, ctx[s] - q_len + i, std::min(rows, q_len - i)});
       continue;
     }
     const int64_t pairs = q_len * ctx[s] - q_len * (q_len - 1) / 2;
@@ -132,6 +140,7 @@ void run_attention(const AttentionPlan& plan, at::Tensor& out, const at::Tensor&
     using T = decltype(zero);
     const AttentionArgs<T> a(query, k_cache, v_cache, block_tables, scale, out);
     if (!plan.chunks.empty()) row_attention(a, plan.chunks);
+    if (!plan.blocks.empty()) blocked_rows(a, plan.blocks);
     if (!plan.tiles.empty()) tiled_attention(a, plan.tiles, plan.splits, plan.num_partials);
   });
 }

@@ -1,6 +1,7 @@
 // Paged attention, read in place from the block tables: attention.cpp plans a call (which sequences go to
 // which kernel, in which tasks), attention_decode.cpp's row kernel computes decode rows and short chunks,
-// attention_tiled.cpp's tiled kernel computes prompt chunks. Both read the geometry below.
+// attention_tiled.cpp's tiled kernel computes prompt chunks, and, batch-invariant, attention_decode.cpp's
+// blocked rows compute long prompt chunks with the row kernel's arithmetic. All read the geometry below.
 
 #pragma once
 
@@ -15,11 +16,16 @@
 
 namespace pagedserve::cpu {
 
-// Batch invariance (common.h batch_invariant): every query row, a prompt's too, goes through the row kernel,
-// which reduces each row over its positions alone, in position order and in the same passes whatever the
-// rows beside it; a context longer than kInvariantPartTokens is split into parts of that many positions
-// (from position 0), each row's parts merged in order, whatever the batch and the thread count.
+// Batch invariance (common.h batch_invariant): every query row, a prompt's too, gets the row kernel's
+// arithmetic, which reduces each row over its positions alone, in position order and in the same passes
+// whatever the rows beside it (long prompt chunks through blocked_rows, which computes the same); a context
+// longer than kInvariantPartTokens is split into parts of that many positions (from position 0), each row's
+// parts merged in order, whatever the batch and the thread count.
 constexpr int64_t kInvariantPartTokens = 512;
+// Batch-invariant, a sequence of this many query rows or more (a prompt chunk) takes blocked_rows in blocks
+// of up to kBlockedRows rows, where blocked_rows_fit.
+constexpr int64_t kBlockedMinRows = 16;
+constexpr int64_t kBlockedRows = 32;
 
 // Consecutive query rows of one sequence (positions pos0 .. pos0 + len - 1, query rows row0 ..), computed
 // together by the row kernel so that every K and V block is read once for all of them.
@@ -62,6 +68,7 @@ struct TileSplit {
 // cache's shape alone, so a decoder computes it once for all its layers (see DecoderStack).
 struct AttentionPlan {
   std::vector<RowChunk> chunks;
+  std::vector<RowChunk> blocks;   // batch-invariant: long prompts' row blocks (blocked_rows)
   std::vector<QueryTile> tiles;   // the longest first
   std::vector<TileSplit> splits;  // the tiles whose blocks went to several of tiles
   int64_t num_partials = 0;
@@ -127,6 +134,13 @@ struct BadBlock {
 // over its tiles, for T = float, bf16 and fp16.
 template <typename T>
 void row_attention(const AttentionArgs<T>& a, const std::vector<RowChunk>& chunks);
+// Batch-invariant, the row kernel's result for every row of long prompts' row blocks (consecutive rows of
+// one sequence), the bits the row kernel gives each of them, at a fraction of its cost: each part of the
+// context is laid out once for a block's rows (attention_decode.cpp). Where !blocked_rows_fit(k_cache) (not
+// bf16 of head size 64 on AVX-512 BF16, or an odd block size) it hands them to the row kernel.
+template <typename T>
+void blocked_rows(const AttentionArgs<T>& a, const std::vector<RowChunk>& blocks);
+bool blocked_rows_fit(const at::Tensor& k_cache);
 template <typename T>
 void tiled_attention(const AttentionArgs<T>& a, const std::vector<QueryTile>& tasks,
                      const std::vector<TileSplit>& splits, int64_t num_partials);

@@ -7,6 +7,9 @@
 // vectors (kGroup at a time) against each K or V row loaded once for all of them, widened as it is loaded.
 // Only AVX-512 BF16 reads bf16 rows its own way, with its dot product of bf16 pairs
 // (attention_decode_bf16.h).
+//
+// Batch-invariant, long prompt chunks take the blocked rows (blocked_rows, at the end): the row kernel's
+// sums for every row, from K and V laid out once per part for a block of rows.
 
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -45,6 +48,9 @@ constexpr int64_t kMinPartBlocks = 8;
 
 // Batch-invariant, parts of a fixed size instead: the part size in blocks (kInvariantPartTokens, whole
 // blocks), each part's first block a multiple of it.
+// Fewer parts than this many a thread, and each part's kv heads are tasks of their own.
+constexpr int64_t kInvariantTasksPerThread = 4;
+
 inline int64_t invariant_part_blocks(int64_t block_size) {
   return std::max<int64_t>(1, kInvariantPartTokens / block_size);
 }
@@ -263,6 +269,30 @@ float exp_shifted_sum(float* s, int64_t n, float* max_out = nullptr) {
   return reduce_add(sum);
 }
 
+// One query vector's parts of its context merged, as flash-decoding merges them: part p's maximum score at
+// max_p[p * stride], its sum of exponentials at sum_p[p * stride] (0: the row ends before the part) and its
+// unnormalised output at acc[p * stride ..], rescaled to the common maximum, summed in part order and
+// normalised into out (head_dim values, sum_v head_dim floats of scratch). One body (never inlined) for the
+// row kernel and the blocked rows, so that both round alike.
+template <typename T>
+__attribute__((noinline)) void merge_parts(const float* acc, const float* max_p, const float* sum_p,
+                                           int64_t stride, int64_t count, int64_t head_dim, float* sum_v,
+                                           T* out) {
+  float max = -std::numeric_limits<float>::infinity();
+  for (int64_t p = 0; p < count; ++p) max = std::max(max, max_p[p * stride]);
+  std::fill(sum_v, sum_v + head_dim, 0.f);
+  float total = 0.f;
+  for (int64_t p = 0; p < count; ++p) {
+    const float sum = sum_p[p * stride];
+    if (sum == 0.f) continue;  // the row ends before this part
+    const float w = std::exp(max_p[p * stride] - max);
+    total += sum * w;
+    const float* part = acc + p * stride;
+    for (int64_t d = 0; d < head_dim; ++d) sum_v[d] += part[d] * w;
+  }
+  store_scaled(out, sum_v, 1.f / total, head_dim);
+}
+
 }  // namespace
 
 template <typename T>
@@ -283,9 +313,15 @@ void row_attention(const AttentionArgs<T>& a, const std::vector<RowChunk>& chunk
   std::vector<int64_t> merges;
   int64_t partial_floats = 0;
   const int64_t part_blocks = batch_invariant() ? invariant_part_blocks(a.block_size) : 0;
-  const bool any_split = std::any_of(chunks.begin(), chunks.end(), [&](const RowChunk& c) {
-    return context_parts(used_blocks(c), num_chunks, threads, part_blocks) > 1;
-  });
+  int64_t total_parts = 0;
+  for (const RowChunk& c : chunks)
+    total_parts += context_parts(used_blocks(c), num_chunks, threads, part_blocks);
+  const bool any_split = total_parts > num_chunks;
+  // Batch-invariant, the parts are fixed by the context alone, however few the chunks: where they are too
+  // few tasks to keep every thread busy (a lone decode row), each part's kv heads become tasks of their own.
+  // A kv head's sums are its own whichever task computes them, so this changes no bits.
+  const int64_t part_heads =
+      part_blocks > 0 && threads > 1 && total_parts < kInvariantTasksPerThread * threads ? 1 : a.num_kv_heads;
   for (int64_t k = 0; k < num_chunks && any_split; ++k) {
     const RowChunk& c = chunks[k];
     const int64_t blocks = used_blocks(c), n = context_parts(blocks, num_chunks, threads, part_blocks);
@@ -293,10 +329,13 @@ void row_attention(const AttentionArgs<T>& a, const std::vector<RowChunk>& chunk
     const auto part_begin = [&](int64_t p) {
       return p == n ? blocks : part_blocks > 0 ? p * part_blocks : blocks * p / n;
     };
-    if (n > 1) merges.push_back(static_cast<int64_t>(parts.size()));
-    for (int64_t p = 0; p < n; ++p) {
-      parts.push_back({k, 0, a.num_kv_heads, part_begin(p), part_begin(p + 1), n > 1 ? partial_floats : -1});
-      if (n > 1) partial_floats += c.len * num_heads * (a.head_dim + 2);
+    for (int64_t h0 = 0; h0 < a.num_kv_heads; h0 += part_heads) {
+      const int64_t h1 = std::min(a.num_kv_heads, h0 + part_heads);
+      if (n > 1) merges.push_back(static_cast<int64_t>(parts.size()));
+      for (int64_t p = 0; p < n; ++p) {
+        parts.push_back({k, h0, h1, part_begin(p), part_begin(p + 1), n > 1 ? partial_floats : -1});
+        if (n > 1) partial_floats += c.len * (h1 - h0) * a.group * (a.head_dim + 2);
+      }
     }
   }
   std::vector<float> partials(partial_floats);
@@ -458,29 +497,19 @@ void row_attention(const AttentionArgs<T>& a, const std::vector<RowChunk>& chunk
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < static_cast<int64_t>(merges.size()); ++m) {
       const int64_t first = merges[m];
-      const RowChunk& c = chunks[parts[first].chunk];
-      int64_t count = 1;  // the chunk's parts, side by side in the buffer too
-      while (first + count < num_tasks && parts[first + count].chunk == parts[first].chunk) ++count;
-      const int64_t vectors = c.len * num_heads, part_floats = vectors * (a.head_dim + 2);
+      const RowTask& t0 = parts[first];
+      const RowChunk& c = chunks[t0.chunk];
+      int64_t count = 1;  // the parts of the chunk's kv heads h0 .. h1, side by side in the buffer too
+      while (first + count < num_tasks && parts[first + count].chunk == t0.chunk &&
+             parts[first + count].h0 == t0.h0)
+        ++count;
+      const int64_t nq = (t0.h1 - t0.h0) * a.group, vectors = c.len * nq;
+      const int64_t part_floats = vectors * (a.head_dim + 2);
       const float* const part0 = partials.data() + parts[first].partial;
-      float* const sum_v = acc.data();
-      for (int64_t v = 0; v < vectors; ++v) {
-        float max = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < count; ++p)
-          max = std::max(max, part0[p * part_floats + vectors * a.head_dim + v]);
-        std::fill(sum_v, sum_v + a.head_dim, 0.f);
-        float total = 0.f;
-        for (int64_t p = 0; p < count; ++p) {
-          const float* part = part0 + p * part_floats;
-          const float sum = part[vectors * (a.head_dim + 1) + v];
-          if (sum == 0.f) continue;  // the row ends before this part
-          const float w = std::exp(part[vectors * a.head_dim + v] - max);
-          total += sum * w;
-          for (int64_t d = 0; d < a.head_dim; ++d) sum_v[d] += part[v * a.head_dim + d] * w;
-        }
-        store_scaled(a.out_ptr + (c.row0 + v / num_heads) * a.out_stride + v % num_heads * a.head_dim, sum_v,
-                     1.f / total, a.head_dim);
-      }
+      for (int64_t v = 0; v < vectors; ++v)
+        merge_parts(part0 + v * a.head_dim, part0 + vectors * a.head_dim + v,
+                    part0 + vectors * (a.head_dim + 1) + v, part_floats, count, a.head_dim, acc.data(),
+                    a.out_ptr + (c.row0 + v / nq) * a.out_stride + (t0.h0 * a.group + v % nq) * a.head_dim);
     }
     // The scores of a long prompt's rows (up to rows x heads x context floats) are not kept.
     if (scores.size() > kKeptScores) std::vector<float>().swap(scores);
@@ -488,6 +517,140 @@ void row_attention(const AttentionArgs<T>& a, const std::vector<RowChunk>& chunk
   bad.check(a.num_blocks);
 }
 
+namespace {
+
+#if defined(__AVX512BF16__)
+// blocked_rows for bf16 and head size 64 (see blocked_rows_fit). A task is a block of rows and a kv head;
+// it walks its sequence's parts in order (kInvariantPartTokens positions, the row kernel's), lays each part's
+// K out transposed and its V paired once for all its rows (bf16dot::transpose_k_64, pair_v_64), then gives
+// each row that sees the part the row kernel's scores, softmax pass and weighted sum over the positions it
+// sees, and finally merges each row's parts as the row kernel merges them (a row seeing one part: the same
+// bits as the row kernel's unsplit result, the merge of one part rescaling by exp(0) = 1).
+void blocked_rows_bf16_64(const AttentionArgs<c10::BFloat16>& a, const std::vector<RowChunk>& blocks) {
+  using bf16 = c10::BFloat16;
+  constexpr int64_t kSize = 64, kStride = kSize + 2;  // a part's floats: the output's sums, max, sum
+  const int64_t part_tokens = invariant_part_blocks(a.block_size) * a.block_size;
+  const int64_t num_blocks = static_cast<int64_t>(blocks.size()), num_tasks = num_blocks * a.num_kv_heads;
+  const int threads = std::max(1, at::get_num_threads());
+  BadBlock bad;
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, num_tasks)))
+  {
+    thread_local std::vector<__m512i> kt, vp;
+    thread_local std::vector<float> scores, partials, sum_v;
+    const int64_t groups16 = (part_tokens + 15) / 16;
+    kt.resize(groups16 * 32);
+    vp.resize(groups16 * 8 * 4);
+    scores.resize(a.group * groups16 * 16);
+    sum_v.resize(kSize);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_tasks; ++task) {
+      // The last blocks first: their rows see the most positions.
+      const RowChunk& c = blocks[num_blocks - 1 - task / a.num_kv_heads];
+      const int64_t h = task % a.num_kv_heads;
+      const int32_t* table = a.tables + c.seq * a.table_stride;
+      const int64_t span = c.pos0 + c.len, used = (span + a.block_size - 1) / a.block_size;
+      bool valid = true;
+      for (int64_t b = 0; b < used && valid; ++b)
+        if (!a.valid_block(table[b], b)) bad.report(table[b]), valid = false;
+      if (!valid) continue;
+      const auto row_of = [&](const bf16* cache, int64_t pos) {
+        return cache + table[pos / a.block_size] * a.block_stride + pos % a.block_size * a.row_stride +
+               h * a.head_stride;
+      };
+      const int64_t num_parts = (span + part_tokens - 1) / part_tokens;
+      partials.resize(std::max<size_t>(partials.size(), c.len * a.group * num_parts * kStride));
+      // Row i's query vector g, part p: partials[((i * group + g) * num_parts + p) * kStride ..].
+      for (int64_t p = 0; p < num_parts; ++p) {
+        const int64_t p0 = p * part_tokens, n = std::min(span, p0 + part_tokens) - p0;
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+          const bf16* rows[16];
+          for (int64_t j = 0; j < 16; ++j) rows[j] = j0 + j < n ? row_of(a.k_ptr, p0 + j0 + j) : nullptr;
+          bf16dot::transpose_k_64(rows, &kt[j0 * 2]);
+        }
+        for (int64_t j = 0; j + 1 < n; j += 2)
+          bf16dot::pair_v_64(row_of(a.v_ptr, p0 + j), row_of(a.v_ptr, p0 + j + 1), &vp[j * 2]);
+        for (int64_t i = std::max<int64_t>(0, p0 - c.pos0); i < c.len; ++i) {
+          const int64_t visible = std::min(n, c.pos0 + i + 1 - p0);
+          const bf16* q = a.q_ptr + (c.row0 + i) * a.q_stride + h * a.group * kSize;
+          const int64_t s_stride = groups16 * 16;
+          for (int64_t g = 0; g < a.group;) {
+            const int64_t run = std::min<int64_t>(3, a.group - g);
+            float* out = &scores[g * s_stride];
+            if (run == 3)
+              bf16dot::transposed_scores_64<3>(q + g * kSize, kt.data(), visible, a.fscale, out, s_stride);
+            else if (run == 2)
+              bf16dot::transposed_scores_64<2>(q + g * kSize, kt.data(), visible, a.fscale, out, s_stride);
+            else
+              bf16dot::transposed_scores_64<1>(q + g * kSize, kt.data(), visible, a.fscale, out, s_stride);
+            g += run;
+          }
+          float* const part = &partials[(i * a.group * num_parts + p) * kStride];
+          const int64_t v_stride = num_parts * kStride;  // between a row's query vectors
+          for (int64_t g = 0; g < a.group; ++g)
+            part[g * v_stride + kSize + 1] =
+                exp_shifted_sum(&scores[g * s_stride], visible, &part[g * v_stride + kSize]);
+          const bf16* last = row_of(a.v_ptr, p0 + visible - 1);
+          for (int64_t g = 0; g < a.group;) {
+            const int64_t run = std::min<int64_t>(3, a.group - g);
+            const float* w = &scores[g * s_stride];
+            // acc of vector g + r at part + (g + r) * v_stride: one run's vectors apart by v_stride, so
+            // computed into a contiguous scratch and copied.
+            alignas(64) float acc[3 * kSize];
+            if (run == 3)
+              bf16dot::paired_values_64<3>(w, s_stride, visible, vp.data(), last, acc);
+            else if (run == 2)
+              bf16dot::paired_values_64<2>(w, s_stride, visible, vp.data(), last, acc);
+            else
+              bf16dot::paired_values_64<1>(w, s_stride, visible, vp.data(), last, acc);
+            for (int64_t r = 0; r < run; ++r)
+              std::copy(acc + r * kSize, acc + (r + 1) * kSize, part + (g + r) * v_stride);
+            g += run;
+          }
+        }
+      }
+      for (int64_t i = 0; i < c.len; ++i) {
+        const int64_t seen = (c.pos0 + i) / part_tokens + 1;  // the parts row i sees
+        for (int64_t g = 0; g < a.group; ++g) {
+          const float* base = &partials[((i * a.group + g) * num_parts) * kStride];
+          merge_parts(base, base + kSize, base + kSize + 1, kStride, seen, kSize, sum_v.data(),
+                      a.out_ptr + (c.row0 + i) * a.out_stride + (h * a.group + g) * kSize);
+        }
+      }
+    }
+  }
+  bad.check(a.num_blocks);
+}
+#endif
+
+}  // namespace
+
+bool blocked_rows_fit(const at::Tensor& k_cache) {
+#if defined(__AVX512BF16__)
+  return k_cache.scalar_type() == at::kBFloat16 && k_cache.size(3) == 64 && k_cache.size(1) % 2 == 0;
+#else
+  (void)k_cache;
+  return false;
+#endif
+}
+
+template <typename T>
+void blocked_rows(const AttentionArgs<T>& a, const std::vector<RowChunk>& blocks) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (a.head_dim == 64 && a.block_size % 2 == 0) return blocked_rows_bf16_64(a, blocks);
+  }
+#endif
+  // Elsewhere the row kernel's chunks (the plan makes no blocks where blocked_rows_fit is false).
+  std::vector<RowChunk> chunks;
+  for (const RowChunk& b : blocks)
+    for (int64_t i = 0; i < b.len; i += kChunkRows)
+      chunks.push_back({b.seq, b.row0 + i, b.pos0 + i, std::min(kChunkRows, b.len - i)});
+  row_attention(a, chunks);
+}
+
+template void blocked_rows<float>(const AttentionArgs<float>&, const std::vector<RowChunk>&);
+template void blocked_rows<c10::BFloat16>(const AttentionArgs<c10::BFloat16>&, const std::vector<RowChunk>&);
+template void blocked_rows<c10::Half>(const AttentionArgs<c10::Half>&, const std::vector<RowChunk>&);
 template void row_attention<float>(const AttentionArgs<float>&, const std::vector<RowChunk>&);
 template void row_attention<c10::BFloat16>(const AttentionArgs<c10::BFloat16>&, const std::vector<RowChunk>&);
 template void row_attention<c10::Half>(const AttentionArgs<c10::Half>&, const std::vector<RowChunk>&);

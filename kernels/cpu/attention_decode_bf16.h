@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "prefetch.h"
+#include "vec.h"
 
 namespace pagedserve::cpu::bf16dot {
 
@@ -172,6 +173,27 @@ inline void group_scores(const c10::BFloat16* q, int64_t vectors, const c10::BFl
     block_scores_bf16(q + g * size, rows, stride, n, size, scale, out + g * out_stride, fetch, fetch_bytes);
 }
 
+// Word k of a pair register (two rows' 32 dims interleaved) is, for even k, word k / 2 of the first row, for
+// odd k that of the second (index 32 + k / 2); the second register of a row's 32 dims starts 16 words
+// further.
+alignas(64) inline constexpr int16_t kPairLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                     37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                     11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) inline constexpr int16_t kPairHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                                      53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                      27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
+// The first m (at most 16) weights of each of V vectors (w_v at w + v * w_stride) rounded to bf16, two
+// positions to an int32 (pairs[v][j / 2]); past m, zeros.
+template <int V>
+inline void weight_pairs(const float* w, int64_t w_stride, int64_t m, int32_t (*pairs)[8]) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1);
+#pragma GCC unroll 8
+  for (int v = 0; v < V; ++v)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[v]),
+                       (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, w + v * w_stride)));
+}
+
 // accumulate_rows for the `vectors` query vectors of one kv head at once (acc and w of vector r at
 // acc + r * head size and w + r * w_stride), reading the bf16 V rows straight from the cache, two
 // positions per step with the bf16 dot product: the rows of positions j and j + 1 are interleaved into
@@ -185,15 +207,7 @@ inline void accumulate_group_bf16_avx512(float* acc, const float* w, int64_t w_s
                                          const char* fetch = nullptr, int64_t fetch_bytes = 0) {
   FetchShare ahead(fetch, fetch_bytes, (std::min<int64_t>(16, n) + 1) / 2);  // over the first pairs
   static_assert(kChunks % 2 == 0, "head sizes of whole 32-dim registers");
-  // Word k of the pair register is, for even k, word k / 2 of the first row, for odd k that of the second
-  // (index 32 + k / 2); the second register of a row's 32 dims starts 16 words further.
-  alignas(64) static constexpr int16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
-                                                   37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
-                                                   11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static constexpr int16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
-                                                    53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
-                                                    27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  const __m512i low = _mm512_load_si512(kPairLow), high = _mm512_load_si512(kPairHigh);
   // NOTE: the `GCC unroll` pragmas keep the sums in registers: without them GCC gives a[][] a place on the
   // stack and stores every sum there after every pair of rows.
   __m512 a[kVectors][kChunks];
@@ -204,12 +218,8 @@ inline void accumulate_group_bf16_avx512(float* acc, const float* w, int64_t w_s
   alignas(64) int32_t pairs[kVectors][8];  // a run's weights in bf16, two to an int32
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t m = std::min<int64_t>(16, n - j0);
-    const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1);
     // An odd run ends with a pair whose second weight is zero (its row is read again, times zero).
-#pragma GCC unroll 8
-    for (int r = 0; r < kVectors; ++r)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r]),
-                         (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, w + r * w_stride + j0)));
+    weight_pairs<kVectors>(w + j0, w_stride, m, pairs);
     for (int64_t j = 0; j < m; j += 2) {
       const c10::BFloat16* r0 = rows + (j0 + j) * stride;
       const c10::BFloat16* r1 = j + 1 < m ? r0 + stride : r0;
@@ -264,6 +274,108 @@ inline void accumulate_group_bf16(float* acc, const float* w, int64_t w_stride, 
       accumulate_group_bf16_avx512<8, 1>(out, wr, w_stride, rows, stride, n, fetch, bytes), r += 1;
     }
   }
+}
+
+// The blocked rows of a long prompt (attention_decode.cpp blocked_rows): a part of one kv head's K and V
+// laid out once for all the block's rows, each row then computing exactly what the row kernel computes for
+// it.
+
+// 16 positions' K rows of head size 64 (rows[j], nullptr past the part: zeros) transposed into kt[0 .. 32):
+// kt[l] holds, one position a lane, the pair of dims (2l, 2l + 1), the 32-bit word l of each row.
+inline void transpose_k_64(const c10::BFloat16* const* rows, __m512i* kt) {
+  __m512i lo[16], hi[16];
+  for (int j = 0; j < 16; ++j) {
+    lo[j] = rows[j] != nullptr ? _mm512_loadu_si512(rows[j]) : _mm512_setzero_si512();
+    hi[j] = rows[j] != nullptr ? _mm512_loadu_si512(rows[j] + 32) : _mm512_setzero_si512();
+  }
+  vec::transpose(lo);
+  vec::transpose(hi);
+  for (int l = 0; l < 16; ++l) kt[l] = lo[l], kt[16 + l] = hi[l];
+}
+
+// The V rows of positions j and j + 1 (head size 64) interleaved into pairs as accumulate_group_bf16_avx512
+// interleaves them: four registers of 16 dims.
+inline void pair_v_64(const c10::BFloat16* r0, const c10::BFloat16* r1, __m512i* vp) {
+  const __m512i low = _mm512_load_si512(kPairLow), high = _mm512_load_si512(kPairHigh);
+  for (int c = 0; c < 2; ++c) {
+    const __m512i x0 = _mm512_loadu_si512(r0 + 32 * c), x1 = _mm512_loadu_si512(r1 + 32 * c);
+    vp[2 * c] = _mm512_permutex2var_epi16(x0, low, x1);
+    vp[2 * c + 1] = _mm512_permutex2var_epi16(x0, high, x1);
+  }
+}
+
+// The scaled scores of G bf16 query vectors of head size 64 (q_g at q + 64 g) against the first n positions
+// of transposed K (transpose_k_64, 32 registers per 16 positions), into out + g * out_stride. Position j's
+// score is group_scores_bf16_64's, one position a lane instead of one dim pair a lane: each lane's two
+// vdpbf16ps in the same order, then its 16 sums added in sum_lanes16's tree, ((s0 + s1) + (s2 + s3)) with
+// s_k = (a_4k + a_4k+2) + (a_4k+1 + a_4k+3): the same bits, with no shuffles.
+template <int G>
+inline void transposed_scores_64(const c10::BFloat16* q, const __m512i* kt, int64_t n, float scale,
+                                 float* out, int64_t out_stride) {
+  const int32_t* qp = reinterpret_cast<const int32_t*>(q);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const __m512i* k = kt + j0 * 2;  // 32 registers per 16 positions
+    __m512 s[G][4];
+#pragma GCC unroll 4
+    for (int k4 = 0; k4 < 4; ++k4) {
+      __m512 acc[G][4];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        const int l = 4 * k4 + r;
+        const __m512bh k0 = (__m512bh)k[l], k1 = (__m512bh)k[16 + l];
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g)
+          acc[g][r] = _mm512_dpbf16_ps(
+              _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_set1_epi32(qp[32 * g + l]), k0),
+              (__m512bh)_mm512_set1_epi32(qp[32 * g + 16 + l]), k1);
+      }
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g)
+        s[g][k4] = _mm512_add_ps(_mm512_add_ps(acc[g][0], acc[g][2]), _mm512_add_ps(acc[g][1], acc[g][3]));
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - j0)) - 1);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const __m512 sums = _mm512_add_ps(_mm512_add_ps(s[g][0], s[g][1]), _mm512_add_ps(s[g][2], s[g][3]));
+      _mm512_mask_storeu_ps(out + g * out_stride + j0, valid, _mm512_mul_ps(sums, vscale));
+    }
+  }
+}
+
+// acc_g[0 .. 64) = the sum over the first n positions of w_g[j] * V[j] for G query vectors (w_g at w +
+// g * w_stride, acc_g at acc + 64 g), from the paired V rows (pair_v_64, four registers per pair of
+// positions); an odd n ends with the pair of the last row with itself, at last (its weight paired with
+// zero). accumulate_group_bf16_avx512's sums in its order (the weights rounded to bf16, a pair a step, the
+// pairs in position order): the same bits.
+template <int G>
+inline void paired_values_64(const float* w, int64_t w_stride, int64_t n, const __m512i* vp,
+                             const c10::BFloat16* last, float* acc) {
+  __m512 a[G][4];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) a[g][c] = _mm512_setzero_ps();
+  alignas(64) int32_t pairs[G][8];
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    weight_pairs<G>(w + j0, w_stride, m, pairs);
+    for (int64_t j = 0; j < m; j += 2) {
+      __m512i odd[4];
+      const __m512i* v = vp + (j0 + j) * 2;  // four registers per pair
+      if (j + 1 >= m) pair_v_64(last, last, odd), v = odd;
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(pairs[g][j / 2]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], (__m512bh)v[c], p);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + 64 * g + 16 * c, a[g][c]);
 }
 
 }  // namespace pagedserve::cpu::bf16dot

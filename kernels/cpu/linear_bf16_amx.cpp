@@ -1,7 +1,8 @@
 // The bf16 linear on AMX (see linear.h): the packed weights are tiles already, a block's 16 consecutive K
 // pairs being one W tile of 32 x 16 (16 lines of 64 bytes one after the other), so the tiles read the
-// weights pack_linear_weight made. Each thread takes its run of blocks two at a time, and for each pair the
-// rows of x 32 at a time: two x tiles and two W tiles into four tiles of float32 sums.
+// weights pack_linear_weight made. Each thread takes its run of blocks in panels that stay in L2, and passes
+// the rows of x over each panel 32 at a time, two blocks at a time: two x tiles and two W tiles into four
+// tiles of float32 sums, each over all of K in order (a row's sums whatever the rows beside it).
 
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -44,26 +45,58 @@ namespace {
 constexpr TileConfig kLinearTiles{{16, 64}, {16, 64}, {16, 64}, {16, 64},
                                   {16, 64}, {16, 64}, {16, 64}, {16, 64}};
 
-// The rows [r0, r0 + rows) of x as x tiles: each points into x itself (rows ldx elements apart), but the
-// last when it has fewer than 16 rows, which is copied into pad (16 rows of 2 * pairs, zeros after the
-// copied rows) so that the tile loads never read past x.
+// From this many rows x is copied once into tile order (see RowTiles::pack) before the products.
+constexpr int64_t kPackRows = 64;
+
+// The rows [r0, r0 + rows) of x as x tiles. Unpacked, each points into x itself (rows ldx elements apart),
+// but the last when it has fewer than 16 rows, which is copied into pad (16 rows of 2 * pairs, zeros after
+// the copied rows) so that the tile loads never read past x. Packed (many rows), every tile's K steps are
+// copied into `packed` one after the other, each step's 16 rows of 64 bytes together (the last tile's
+// missing rows zeros): a pair of tiles is then one sequential stream of 2 KB a step instead of 32 strided
+// rows, and a row's sums are the same either way.
 struct RowTiles {
   const c10::BFloat16* x;
   int64_t ldx, r0, rows;
   c10::BFloat16* pad;
   int64_t pairs;
+  c10::BFloat16* packed = nullptr;
+  // Fewer than 16 rows in all, in tiles of that many rows (see amx_region): read from x itself.
+  bool short_tiles = false;
 
   int64_t count() const { return (rows + kAmxTileRows - 1) / kAmxTileRows; }
   int64_t rows_of(int64_t i) const { return std::min(kAmxTileRows, rows - i * kAmxTileRows); }
-  bool padded(int64_t i) const { return rows_of(i) < kAmxTileRows; }
-  const c10::BFloat16* base(int64_t i) const { return padded(i) ? pad : x + (r0 + i * kAmxTileRows) * ldx; }
-  int64_t stride_bytes(int64_t i) const { return (padded(i) ? 2 * pairs : ldx) * 2; }
+  bool padded(int64_t i) const { return !short_tiles && rows_of(i) < kAmxTileRows; }
+  const c10::BFloat16* base(int64_t i) const {
+    if (packed != nullptr) return packed + i * kAmxTileRows * 2 * pairs;
+    return padded(i) ? pad : x + (r0 + i * kAmxTileRows) * ldx;
+  }
+  int64_t stride_bytes(int64_t i) const {
+    if (packed != nullptr) return 2 * kAmxTilePairs * 2;
+    return (padded(i) ? 2 * pairs : ldx) * 2;
+  }
+  // Elements from a tile's first K step to the one p pairs on.
+  int64_t step_elems() const { return packed != nullptr ? kAmxTileRows * 2 : 2; }
   void fill_pad() const {
-    if (count() == 0 || !padded(count() - 1)) return;
+    if (packed != nullptr || count() == 0 || !padded(count() - 1)) return;
     const int64_t first = r0 + (count() - 1) * kAmxTileRows, n = rows_of(count() - 1), k = 2 * pairs;
     for (int64_t r = 0; r < n; ++r)
       std::memcpy(pad + r * k, x + (first + r) * ldx, k * sizeof(c10::BFloat16));
     std::memset(pad + n * k, 0, (kAmxTileRows - n) * k * sizeof(c10::BFloat16));
+  }
+  // Copies tiles [i0, i1) into packed (64 bytes a row and step).
+  void pack(int64_t i0, int64_t i1) const {
+    const int64_t steps = pairs / kAmxTilePairs;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n = rows_of(i);
+      c10::BFloat16* tile = packed + i * kAmxTileRows * 2 * pairs;
+      for (int64_t r = 0; r < kAmxTileRows; ++r) {
+        const c10::BFloat16* row = r < n ? x + (r0 + i * kAmxTileRows + r) * ldx : nullptr;
+        for (int64_t s = 0; s < steps; ++s)
+          _mm512_storeu_si512(
+              tile + (s * kAmxTileRows + r) * 2 * kAmxTilePairs,
+              row != nullptr ? _mm512_loadu_si512(row + s * 2 * kAmxTilePairs) : _mm512_setzero_si512());
+      }
+    }
   }
 };
 
@@ -71,14 +104,15 @@ struct RowTiles {
 // over all K, stored as float32 into c[(rt * BT + bt) * 256 + row * 16 + col].
 template <int RT, int BT>
 inline void amx_tiles(const c10::BFloat16* a0, int64_t sa0, const c10::BFloat16* a1, int64_t sa1,
-                      const c10::BFloat16* w0, const c10::BFloat16* w1, int64_t pairs, float* c) {
+                      int64_t a_step, const c10::BFloat16* w0, const c10::BFloat16* w1, int64_t pairs,
+                      float* c) {
   _tile_zero(0);
   if constexpr (BT > 1) _tile_zero(1);
   if constexpr (RT > 1) _tile_zero(2);
   if constexpr (RT > 1 && BT > 1) _tile_zero(3);
   for (int64_t p = 0; p < pairs; p += kAmxTilePairs) {
-    _tile_loadd(4, a0 + 2 * p, sa0);
-    if constexpr (RT > 1) _tile_loadd(5, a1 + 2 * p, sa1);
+    _tile_loadd(4, a0 + a_step * p, sa0);
+    if constexpr (RT > 1) _tile_loadd(5, a1 + a_step * p, sa1);
     _tile_loadd(6, w0 + p * 2 * kBlock, 2 * kBlock * 2);
     if constexpr (BT > 1) _tile_loadd(7, w1 + p * 2 * kBlock, 2 * kBlock * 2);
     _tile_dpbf16ps(0, 4, 6);
@@ -100,14 +134,15 @@ inline void amx_step(const RowTiles& tiles, int64_t i, bool two, const c10::BFlo
   const c10::BFloat16* a0 = tiles.base(i);
   const c10::BFloat16* a1 = two ? tiles.base(i + 1) : a0;
   const int64_t sa0 = tiles.stride_bytes(i), sa1 = two ? tiles.stride_bytes(i + 1) : sa0;
+  const int64_t step = tiles.step_elems();
   if (two && w1 != nullptr)
-    amx_tiles<2, 2>(a0, sa0, a1, sa1, w0, w1, pairs, c);
+    amx_tiles<2, 2>(a0, sa0, a1, sa1, step, w0, w1, pairs, c);
   else if (two)
-    amx_tiles<2, 1>(a0, sa0, a1, sa1, w0, w0, pairs, c);
+    amx_tiles<2, 1>(a0, sa0, a1, sa1, step, w0, w0, pairs, c);
   else if (w1 != nullptr)
-    amx_tiles<1, 2>(a0, sa0, a1, sa1, w0, w1, pairs, c);
+    amx_tiles<1, 2>(a0, sa0, a1, sa1, step, w0, w1, pairs, c);
   else
-    amx_tiles<1, 1>(a0, sa0, a1, sa1, w0, w0, pairs, c);
+    amx_tiles<1, 1>(a0, sa0, a1, sa1, step, w0, w0, pairs, c);
 }
 
 // Rounds a tile of sums (16 x 16 float32 at c) plus the block's bias to bf16: `rows` rows of `cols` columns,
@@ -119,24 +154,51 @@ inline void store_amx_tile(const float* c, __m512 bias, int64_t rows, __mmask16 
         y + r * ldy, cols, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * kBlock), bias)));
 }
 
-// The tiles' parallel region: each of `threads` threads loads the tile configuration, gets a pad for its
-// last x tile, and runs body(t, nt, pad); the tile state is released at the end.
+// Blocks of W a panel: as many (an even count) as fill about kPanelBytes, which stay in L2 while the x tiles
+// pass over them.
+constexpr int64_t kPanelBytes = 512 * 1024;
+inline int64_t panel_blocks(int64_t pairs) {
+  return std::max<int64_t>(2, kPanelBytes / (pairs * 2 * kBlock * 2) / 2 * 2);
+}
+
+// The tiles' parallel region over the m rows of x: each of `threads` threads loads the tile configuration,
+// and runs body(t, nt, tiles) on x's tiles, the last padded into a pad of its own, or, from kPackRows rows,
+// all packed (each thread packs its share, then waits for the others); the tile state is released at the
+// end. Fewer than 16 rows (a decode step's) take x tiles and tiles of sums of m rows, read from x itself:
+// tdpbf16ps computes each row's sums alone, so a row gets the same bits in a tile of any height, and the
+// tiles' work shrinks with the rows.
 template <typename F>
-void amx_region(int threads, int64_t pairs, F&& body) {
+void amx_region(int threads, const c10::BFloat16* x, int64_t ldx, int64_t m, int64_t pairs, F&& body) {
+  thread_local std::vector<c10::BFloat16> packed;  // the caller's, shared by the region's threads
+  const int64_t tile_count = (m + kAmxTileRows - 1) / kAmxTileRows;
+  const bool pack = m >= kPackRows;
+  if (pack) packed.resize(std::max<size_t>(packed.size(), tile_count * kAmxTileRows * 2 * pairs));
+  c10::BFloat16* const packed_x = pack ? packed.data() : nullptr;
+  TileConfig config = kLinearTiles;
+  const bool short_tiles = m < kAmxTileRows;
+  if (short_tiles)
+    for (int t = 0; t < 6; ++t) config.rows[t] = static_cast<uint8_t>(m);  // the sums' and x's tiles
 #pragma omp parallel num_threads(threads)
   {
-    _tile_loadconfig(&kLinearTiles);
+    _tile_loadconfig(&config);
     thread_local std::vector<c10::BFloat16> pad;
     pad.resize(std::max<size_t>(pad.size(), kAmxTileRows * 2 * pairs));
-    body(omp_get_thread_num(), omp_get_num_threads(), pad.data());
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const RowTiles tiles{x, ldx, 0, m, pad.data(), pairs, packed_x, short_tiles};
+    if (pack) {
+      tiles.pack(tile_count * t / nt, tile_count * (t + 1) / nt);
+#pragma omp barrier
+    }
+    tiles.fill_pad();
+    body(t, nt, tiles);
     _tile_release();
   }
 }
 
 }  // namespace
 
-// The bf16 linear on AMX (see use_amx). Each thread takes a contiguous run of blocks, and walks its blocks
-// two at a time over the x tiles, two at a time.
+// The bf16 linear on AMX (see use_amx). Each thread takes a contiguous run of blocks, in panels (see
+// panel_blocks), and walks each panel's blocks two at a time under the x tiles, two at a time.
 // NOTE: bits. Both walk K in order, as block_kernel does where it keeps one chain a row (8 rows and more,
 // unroll()), but tdpbf16ps rounds inside a pair's two products differently in rare cases: about 1 output
 // in 5,000 differs from AVX-512's, by a bf16 step (more only where a sum cancels to near zero).
@@ -144,25 +206,29 @@ void linear_amx(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloa
                 int64_t n, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), blocks));
-  amx_region(threads, pairs, [&](int t, int nt, c10::BFloat16* pad) {
+  amx_region(threads, x, ldx, m, pairs, [&](int t, int nt, const RowTiles& tiles) {
     alignas(64) float c[4 * kAmxTileRows * kBlock];
     const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
-    const RowTiles tiles{x, ldx, 0, m, pad, pairs};
-    tiles.fill_pad();
-    for (int64_t j = b0; j < b1; j += 2) {
-      const bool two_blocks = j + 1 < b1;
+    // Panels of blocks (pairs of blocks throughout), and in each, the x tiles two at a time over the
+    // panel's blocks two at a time: a pair of x tiles stays in L1 while the panel's W streams from L2.
+    const int64_t panel = panel_blocks(pairs);
+    for (int64_t p0 = b0; p0 < b1; p0 += panel) {
+      const int64_t p1 = std::min(b1, p0 + panel);
       for (int64_t i = 0; i < tiles.count(); i += 2) {
         const bool two = i + 1 < tiles.count();
-        const c10::BFloat16* wj = w + j * pairs * 2 * kBlock;
-        amx_step(tiles, i, two, wj, two_blocks ? wj + pairs * 2 * kBlock : nullptr, pairs, c);
-        for (int64_t rt = 0; rt < (two ? 2 : 1); ++rt)
-          for (int64_t bt = 0; bt < (two_blocks ? 2 : 1); ++bt) {
-            const int64_t b = j + bt, rows = tiles.rows_of(i + rt);
-            const __mmask16 cols = block_cols(n, b);
-            store_amx_tile(c + (rt * (two_blocks ? 2 : 1) + bt) * kAmxTileRows * kBlock,
-                           bias_block(bias, b, cols), rows, cols,
-                           y + (i + rt) * kAmxTileRows * ldy + b * kBlock, ldy);
-          }
+        for (int64_t j = p0; j < p1; j += 2) {
+          const bool two_blocks = j + 1 < p1;
+          const c10::BFloat16* wj = w + j * pairs * 2 * kBlock;
+          amx_step(tiles, i, two, wj, two_blocks ? wj + pairs * 2 * kBlock : nullptr, pairs, c);
+          for (int64_t rt = 0; rt < (two ? 2 : 1); ++rt)
+            for (int64_t bt = 0; bt < (two_blocks ? 2 : 1); ++bt) {
+              const int64_t b = j + bt, rows = tiles.rows_of(i + rt);
+              const __mmask16 cols = block_cols(n, b);
+              store_amx_tile(c + (rt * (two_blocks ? 2 : 1) + bt) * kAmxTileRows * kBlock,
+                             bias_block(bias, b, cols), rows, cols,
+                             y + (i + rt) * kAmxTileRows * ldy + b * kBlock, ldy);
+            }
+        }
       }
     }
   });
@@ -175,25 +241,29 @@ void linear_silu_amx(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::
                      int64_t size, const c10::BFloat16* bias, c10::BFloat16* out, int64_t ld_out) {
   const int64_t half = size / kBlock, block_elems = pairs * 2 * kBlock;
   const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), half));
-  amx_region(threads, pairs, [&](int t, int nt, c10::BFloat16* pad) {
+  amx_region(threads, x, ldx, m, pairs, [&](int t, int nt, const RowTiles& tiles) {
     alignas(64) float c[4 * kAmxTileRows * kBlock];
     alignas(64) c10::BFloat16 gate[kAmxTileRows * kBlock], up[kAmxTileRows * kBlock];
     const int64_t j0 = half * t / nt, j1 = half * (t + 1) / nt;
-    const RowTiles tiles{x, ldx, 0, m, pad, pairs};
-    tiles.fill_pad();
-    for (int64_t j = j0; j < j1; ++j) {
-      const __m512 bias_gate = bias_block(bias, j, 0xFFFF), bias_up = bias_block(bias, half + j, 0xFFFF);
+    // As linear_amx walks its blocks: panels of gate blocks (each with its up block), the x tiles two at a
+    // time over a panel's blocks.
+    const int64_t panel = std::max<int64_t>(1, panel_blocks(pairs) / 2);
+    for (int64_t q0 = j0; q0 < j1; q0 += panel) {
+      const int64_t q1 = std::min(j1, q0 + panel);
       for (int64_t i = 0; i < tiles.count(); i += 2) {
         const bool two = i + 1 < tiles.count();
-        amx_step(tiles, i, two, w + j * block_elems, w + (half + j) * block_elems, pairs, c);
-        for (int64_t rt = 0; rt < (two ? 2 : 1); ++rt) {
-          const int64_t rows = tiles.rows_of(i + rt);
-          const float* cg = c + 2 * rt * kAmxTileRows * kBlock;
-          store_amx_tile(cg, bias_gate, rows, 0xFFFF, gate, kBlock);
-          store_amx_tile(cg + kAmxTileRows * kBlock, bias_up, rows, 0xFFFF, up, kBlock);
-          c10::BFloat16* o = out + (i + rt) * kAmxTileRows * ld_out + j * kBlock;
-          for (int64_t r = 0; r < rows; ++r)
-            silu_mul_block(o + r * ld_out, gate + r * kBlock, up + r * kBlock);
+        for (int64_t j = q0; j < q1; ++j) {
+          const __m512 bias_gate = bias_block(bias, j, 0xFFFF), bias_up = bias_block(bias, half + j, 0xFFFF);
+          amx_step(tiles, i, two, w + j * block_elems, w + (half + j) * block_elems, pairs, c);
+          for (int64_t rt = 0; rt < (two ? 2 : 1); ++rt) {
+            const int64_t rows = tiles.rows_of(i + rt);
+            const float* cg = c + 2 * rt * kAmxTileRows * kBlock;
+            store_amx_tile(cg, bias_gate, rows, 0xFFFF, gate, kBlock);
+            store_amx_tile(cg + kAmxTileRows * kBlock, bias_up, rows, 0xFFFF, up, kBlock);
+            c10::BFloat16* o = out + (i + rt) * kAmxTileRows * ld_out + j * kBlock;
+            for (int64_t r = 0; r < rows; ++r)
+              silu_mul_block(o + r * ld_out, gate + r * kBlock, up + r * kBlock);
+          }
         }
       }
     }
