@@ -232,7 +232,7 @@ void pass(const Pass& a) {
     __m512 acc[R][A];
     zero<R * A>(acc[0]);
     for (int64_t k0 = g * h.group_size; k0 < (g + 1) * h.group_size; k0 += Line::kK) {
-      const uint8_t* line = codes + k0 / Line::kK * 64;
+      const uint8_t* line = codes + k0 * (64 / Line::kK);
       prefetch_line(reinterpret_cast<const char*>(line) + kPrefetchBytes, Fetch::kReadL2);
       Line::template add<R, A>(line, x, a.ldx, k0, acc);
     }
