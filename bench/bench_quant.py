@@ -12,7 +12,13 @@ quietest), and every round's numbers go into the JSON.
 
 Memory: how many sequences of --max-model-len tokens fit in --budget bytes of weights plus bf16 KV cache.
 
+--layers ROWS: instead, each of the default model's linear shapes alone (random codes in its GGUF's formats:
+Q4_1 layers, the Q8_0 head), microseconds a call of the quantized linear against the bf16 linear of the same
+weights for ROWS rows of bf16 x, the two in turn round after round, each its fastest round's median call.
+
     .venv/bin/python bench/bench_quant.py [--rounds 5] [--steps 32] [--context 128] [--threads N]
+    .venv/bin/python bench/bench_quant.py --layers 32 [--rounds 5] [--threads N]
+    .venv/bin/python bench/bench_quant.py --threads 1 --cpu-time   (a shared machine: CPU time, one thread)
 
 Prints a table and writes bench/results/bench_quant.{json,png}.
 """
@@ -40,6 +46,9 @@ from pagedserve.worker_svc.runner import ModelRunner
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
+# The decode steps' clock: wall time, or with --cpu-time (one thread) the CPU time of the thread that runs
+# them, which leaves out the time other processes took the core
+CLOCK = time.perf_counter
 
 
 def gguf_weight_bytes(path: Path) -> int:
@@ -82,10 +91,73 @@ class Decoder:
         runner.execute(self.plans[0])  # the context's last token: a one-token step that starts the sequences
         times = []
         for plan in self.plans[1:]:
-            t = time.perf_counter()
+            t = CLOCK()
             runner.execute(plan)
-            times.append(time.perf_counter() - t)
+            times.append(CLOCK() - t)
         return self.batch / statistics.median(times[2:])
+
+
+# The default model's (SmolLM2-135M) linear layers, N, K and code bits, and how many of each a decode step runs
+LAYER_SHAPES = {
+    "qkv": (960, 576, 4, 30),
+    "o": (576, 576, 4, 30),
+    "gate_up": (3072, 576, 4, 30),
+    "down": (576, 1536, 4, 30),
+    "head": (49152, 576, 8, 1),
+}
+
+
+def layer_times(rows: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Seconds a call of each layer shape takes, quantized and bf16 (see --layers)."""
+    from pagedserve.kernels import get_ops
+    from pagedserve.kernels.ops import linear_for
+    from pagedserve.kernels.quant import QuantizedWeight, dequantize, pack_quant_weight
+
+    kernels = linear_for(get_ops(torch.device("cpu")), torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    calls = {}
+    for name, (n, k, bits, _) in LAYER_SHAPES.items():
+        if bits == 4:  # Q4_1: fp16 scale and offset a group of 32
+            codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+            offsets = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+        else:  # Q8_0: an fp16 scale a group
+            codes, offsets = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), None
+        scales = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
+        q = QuantizedWeight(codes, scales, offsets, bits, 32)
+        packed, dense = pack_quant_weight(q), kernels.pack_linear_weight(dequantize(q).bfloat16())
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        calls[name] = {
+            "quantized": lambda x=x, packed=packed: kernels.linear_quant(x, packed, None),
+            "bf16": lambda x=x, dense=dense, n=n: kernels.linear(x, dense, n, None),
+        }
+    best: dict[str, dict[str, float]] = {name: {} for name in calls}
+    for _ in range(rounds):
+        for name, variants in calls.items():
+            reps = 5 if name == "head" else 40
+            for variant, call in variants.items():
+                call()
+                times = []
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    call()
+                    times.append(time.perf_counter() - t)
+                median = statistics.median(times)
+                best[name][variant] = min(best[name].get(variant, median), median)
+    return best
+
+
+def print_layers(rows: int, rounds: int) -> None:
+    best = layer_times(rows, rounds)
+    print(f"{rows} rows, {torch.get_num_threads()} threads, microseconds a call (fastest of {rounds} rounds)")
+    print(f"{'layer':<8} {'N x K':>12} {'quantized':>10} {'bf16':>10} {'ratio':>6}")
+    step = {"quantized": 0.0, "bf16": 0.0}
+    for name, (n, k, _bits, count) in LAYER_SHAPES.items():
+        q, b = best[name]["quantized"], best[name]["bf16"]
+        print(f"{name:<8} {f'{n} x {k}':>12} {q * 1e6:>10.1f} {b * 1e6:>10.1f} {q / b:>6.2f}")
+        step["quantized"] += count * q
+        step["bf16"] += count * b
+    q, b = step["quantized"], step["bf16"]
+    print(f"{'a step':<8} {'':>12} {q * 1e6:>10.1f} {b * 1e6:>10.1f} {q / b:>6.2f}  (30 layers and the head)")
 
 
 class LlamaCpp:
@@ -153,9 +225,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--budget", default="1GiB", help="weights + KV cache, for the sequences that fit")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=None, metavar="ROWS", help="each layer shape alone")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time the decode steps by the CPU time of one thread (needs --threads 1): for a shared machine",
+    )
     args = parser.parse_args(argv)
+    if args.cpu_time:
+        if args.threads != 1:
+            parser.error("--cpu-time times one thread: add --threads 1")
+        global CLOCK
+        CLOCK = time.thread_time
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.layers is not None:
+        print_layers(args.layers, args.rounds)
+        return 0
     threads = torch.get_num_threads()
     device = torch.device("cpu")
     dtype = parse_dtype(args.dtype, device)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.kernels import get_ops
+from pagedserve.kernels import cpu_ops, get_ops
 from pagedserve.kernels.ops import linear_for
 from pagedserve.kernels.quant import (
     SCALE_F16,
@@ -60,19 +60,50 @@ def test_quantized_linear_matches_float64_oracle(bits, kind, group, dtype):
     kernels = _quant_kernels()
     if bits == 4 and group % 8:
         pytest.skip("int4 groups are multiples of 8")
-    for n, k, m, bias in ((40, 256, 1, True), (48, 384, 2, False), (33, 128, 5, True), (70, 256, 19, True)):
-        q = _random_weight(n, k, bits, group, kind, seed=n * k + m)
-        w = dequantize(q).double()
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-        b = torch.randn(n).to(dtype) if bias else None
-        y = kernels.linear_quant(x, pack_quant_weight(q), b)
-        assert y.dtype == dtype and y.shape == (m, n)
-        exact = x.double() @ w.T + (b.double() if bias else 0)
-        bound = x.double().abs() @ w.abs().T
-        # float32: the bound of float32 summation; bf16: one rounding of the output and, for many rows,
-        # of each weight to bf16 (the dequantizing path)
-        tol = 1e-5 * bound if dtype == torch.float32 else 2**-8 * (exact.abs() + bound)
-        assert ((y.double() - exact).abs() <= tol + 1e-6).all(), (bits, kind, group, n, k, m)
+    # many bf16 rows (from 6) take AMX tiles where the CPU has them: 19 rows are two x tiles, the second
+    # padded; 40 rows three, the third multiplied by W tiles dequantized for the first two; N = 70 ends in
+    # a block without a partner and columns short of 16
+    for n, k, m, bias in (
+        (40, 256, 1, True),
+        (48, 384, 2, False),
+        (33, 128, 5, True),
+        (70, 256, 19, True),
+        (50, 256, 40, False),
+    ):
+        _check_against_oracle(
+            kernels, _random_weight(n, k, bits, group, kind, seed=n * k + m), m, dtype, bias
+        )
+
+
+def _check_against_oracle(kernels, q: QuantizedWeight, m: int, dtype: torch.dtype, bias: bool) -> None:
+    n, k = q.shape
+    w = dequantize(q).double()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    y = kernels.linear_quant(x, pack_quant_weight(q), b)
+    assert y.dtype == dtype and y.shape == (m, n)
+    exact = x.double() @ w.T + (b.double() if bias else 0)
+    bound = x.double().abs() @ w.abs().T
+    # float32: the bound of float32 summation; bf16: one rounding of the output and, for many rows, of each
+    # weight to bf16 (the dequantizing paths)
+    tol = 1e-5 * bound if dtype == torch.float32 else 2**-8 * (exact.abs() + bound)
+    assert ((y.double() - exact).abs() <= tol + 1e-6).all(), (q.bits, scale_kind(q), q.group_size, n, k, m)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_linear_many_rows_without_amx_tiles(bits):
+    """Many bf16 rows where AMX cannot take the weight (K not a multiple of 32, or AMX switched off): the
+    blocks dequantized for the kernels' other bf16 linear."""
+    kernels = _quant_kernels()
+    extension = cpu_ops.load()
+    for n, k, m, amx in ((40, 80, 19, True), (70, 256, 40, False)):
+        before = extension.set_amx_enabled(amx)
+        try:
+            _check_against_oracle(
+                kernels, _random_weight(n, k, bits, 16, SCALE_F16, seed=k + m), m, torch.bfloat16, True
+            )
+        finally:
+            extension.set_amx_enabled(before)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -1,6 +1,7 @@
 // The weight-only quantized linear (see linear_quant.h). Each thread streams its run of W's blocks once (see
 // BlockRuns), a block's codes turned into float32 or bf16 vectors in registers and multiplied by up to kRows
 // rows of x at a time; a group's products are summed in float32, then scaled and offset into the row's sums.
+// Many bf16 rows dequantize the codes to bf16 a W tile at a time and multiply them on AMX (linear_quant_amx).
 
 #include "linear_quant.h"
 
@@ -16,7 +17,9 @@
 #include <utility>
 #include <vector>
 
+#include "amx.h"
 #include "block_runs.h"
+#include "common.h"
 #include "linear.h"
 #include "prefetch.h"
 #include "vec.h"
@@ -137,136 +140,116 @@ inline void add_group(__m512 (&tot)[R], const __m512 (&acc)[R][A], __m512 scale,
   }
 }
 
+// The code lines of a pass: a 64-byte line holds kK k of the block's 16 columns; add() multiplies one (its
+// first k is k0) by R rows of x into a group's sums, and fit() turns a group's scale and offset into those
+// of the sums (kOffsets: whether the offsets' products are needed whatever the scales).
+
 // int4 codes, float32 x: each k's 16 codes widened to float32, one FMA a row.
-template <typename TOut, int KIND, int R>
-void pass_int4_f32(const Pass& a) {
-  const QuantHeader& h = *a.h;
-  const float* x = static_cast<const float*>(a.x);
-  const uint8_t* codes = a.block + h.scale_bytes;
-  const __m512i nibble = _mm512_set1_epi32(0xF);
-  __m512 tot[R];
-  zero<R>(tot);
-  for (int64_t g = 0; g < h.groups; ++g) {
-    constexpr int A = kChains<R>;
-    __m512 acc[R][A];
-    zero<R * A>(acc[0]);
-    for (int64_t j = 0; j < h.group_size / 8; ++j) {
-      const uint8_t* line = codes + (g * h.group_size / 8 + j) * 64;
-      prefetch_line(reinterpret_cast<const char*>(line) + kPrefetchBytes, Fetch::kReadL2);
-      const __m512i lanes = _mm512_loadu_si512(line);
-      const int64_t k0 = g * h.group_size + 8 * j;
+struct Int4F32 {
+  using X = float;
+  static constexpr int kK = 8;
+  static constexpr bool kOffsets = false;
+  template <int R, int A>
+  static inline void add(const uint8_t* line, const float* x, int64_t ldx, int64_t k0, __m512 (&acc)[R][A]) {
+    const __m512i lanes = _mm512_loadu_si512(line);
 #pragma GCC unroll 8
-      for (int kk = 0; kk < 8; ++kk) {
-        const int shift = (kk & 1) ? 16 + 4 * (kk >> 1) : 4 * (kk >> 1);
-        const __m512 wv = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(lanes, shift), nibble));
+    for (int kk = 0; kk < 8; ++kk) {
+      const int shift = (kk & 1) ? 16 + 4 * (kk >> 1) : 4 * (kk >> 1);
+      const __m512 wv =
+          _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(lanes, shift), _mm512_set1_epi32(0xF)));
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-          acc[r][kk % A] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * a.ldx + k0 + kk]), acc[r][kk % A]);
-      }
+      for (int r = 0; r < R; ++r)
+        acc[r][kk % A] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * ldx + k0 + kk]), acc[r][kk % A]);
     }
-    __m512 scale, offset;
-    group_scales<KIND>(a.block, g, scale, offset);
-    add_group<R, A>(tot, acc, scale, offset, a.xsum, h.groups, g, KIND != kScaleF16NoOffset);
   }
-  store_rows<TOut, R>(a, tot);
-}
+  static void fit(__m512&, __m512&) {}
+};
 
 // int8 codes, float32 x.
-template <typename TOut, int KIND, int R>
-void pass_int8_f32(const Pass& a) {
-  const QuantHeader& h = *a.h;
-  const float* x = static_cast<const float*>(a.x);
-  const int8_t* codes = reinterpret_cast<const int8_t*>(a.block + h.scale_bytes);
-  __m512 tot[R];
-  zero<R>(tot);
-  for (int64_t g = 0; g < h.groups; ++g) {
-    constexpr int A = kChains<R>;
-    __m512 acc[R][A];
-    zero<R * A>(acc[0]);
-    for (int64_t k4 = g * h.group_size; k4 < (g + 1) * h.group_size; k4 += 4) {
-      const int8_t* line = codes + k4 * kBlock;  // 4 k of 16 columns: one 64-byte line
-      prefetch_line(reinterpret_cast<const char*>(line) + kPrefetchBytes, Fetch::kReadL2);
+struct Int8F32 {
+  using X = float;
+  static constexpr int kK = 4;
+  static constexpr bool kOffsets = false;
+  template <int R, int A>
+  static inline void add(const uint8_t* line, const float* x, int64_t ldx, int64_t k0, __m512 (&acc)[R][A]) {
 #pragma GCC unroll 4
-      for (int kk = 0; kk < 4; ++kk) {
-        const __m512 wv = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + kk * kBlock))));
+    for (int kk = 0; kk < 4; ++kk) {
+      const __m512 wv = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + kk * kBlock))));
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-          acc[r][kk % A] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * a.ldx + k4 + kk]), acc[r][kk % A]);
-      }
+      for (int r = 0; r < R; ++r)
+        acc[r][kk % A] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * ldx + k0 + kk]), acc[r][kk % A]);
     }
-    __m512 scale, offset;
-    group_scales<KIND>(a.block, g, scale, offset);
-    add_group<R, A>(tot, acc, scale, offset, a.xsum, h.groups, g, KIND != kScaleF16NoOffset);
   }
-  store_rows<TOut, R>(a, tot);
-}
+  static void fit(__m512&, __m512&) {}
+};
 
 #if defined(__AVX512BF16__)
 // int4 codes, bf16 x: a code c becomes the bf16 1 + c/16 (exact: c in the mantissa's top 4 bits), so that
 // vdpbf16ps multiplies a pair of k of 16 columns by a pair of x in one instruction; the group's sum is then
 // sum(x) + sum(x c) / 16, and scale * sum(x c) + offset * sum(x) = 16 scale * acc + (offset - 16 scale) *
 // sum(x).
-template <int KIND, int R>
-void pass_int4_bf16(const Pass& a) {
+struct Int4Bf16 {
+  using X = c10::BFloat16;
+  static constexpr int kK = 8;
+  static constexpr bool kOffsets = true;
+  template <int R, int A>
+  static inline void add(const uint8_t* line, const c10::BFloat16* x, int64_t ldx, int64_t k0,
+                         __m512 (&acc)[R][A]) {
+    const __m512i mask = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
+    const __m512i lanes = _mm512_loadu_si512(line);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m512i placed = p == 0 ? _mm512_slli_epi32(lanes, 3) : _mm512_srli_epi32(lanes, 4 * p - 3);
+      // (placed & mask) | one: the pair's two codes in the mantissas of 1.0
+      const __m512bh wv = (__m512bh)_mm512_ternarylogic_epi32(placed, mask, one, 0xEA);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * ldx + k0 + 2 * p, sizeof pair);
+        acc[r][p % A] = _mm512_dpbf16_ps(acc[r][p % A], wv, (__m512bh)_mm512_set1_epi32(pair));
+      }
+    }
+  }
+  static void fit(__m512& scale, __m512& offset) {
+    scale = _mm512_mul_ps(scale, _mm512_set1_ps(16.f));
+    offset = _mm512_sub_ps(offset, scale);
+  }
+};
+#endif
+
+// R rows of x against one block, its code lines read by Line: per group, the lines' products summed in
+// float32, then scaled and offset into the rows' totals.
+template <typename Line, typename TOut, int KIND, int R>
+void pass(const Pass& a) {
   const QuantHeader& h = *a.h;
-  const c10::BFloat16* x = static_cast<const c10::BFloat16*>(a.x);
+  const auto* x = static_cast<const typename Line::X*>(a.x);
   const uint8_t* codes = a.block + h.scale_bytes;
-  const __m512i mask = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
-  const __m512 sixteen = _mm512_set1_ps(16.f);
   __m512 tot[R];
   zero<R>(tot);
   for (int64_t g = 0; g < h.groups; ++g) {
     constexpr int A = kChains<R>;
     __m512 acc[R][A];
     zero<R * A>(acc[0]);
-    for (int64_t j = 0; j < h.group_size / 8; ++j) {
-      const uint8_t* line = codes + (g * h.group_size / 8 + j) * 64;
+    for (int64_t k0 = g * h.group_size; k0 < (g + 1) * h.group_size; k0 += Line::kK) {
+      const uint8_t* line = codes + k0 * (64 / Line::kK);
       prefetch_line(reinterpret_cast<const char*>(line) + kPrefetchBytes, Fetch::kReadL2);
-      const __m512i lanes = _mm512_loadu_si512(line);
-      const int64_t k0 = g * h.group_size + 8 * j;
-#pragma GCC unroll 4
-      for (int p = 0; p < 4; ++p) {
-        const __m512i placed = p == 0 ? _mm512_slli_epi32(lanes, 3) : _mm512_srli_epi32(lanes, 4 * p - 3);
-        // (placed & mask) | one: the pair's two codes in the mantissas of 1.0
-        const __m512bh wv = (__m512bh)_mm512_ternarylogic_epi32(placed, mask, one, 0xEA);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          int32_t pair;
-          std::memcpy(&pair, x + r * a.ldx + k0 + 2 * p, sizeof pair);
-          acc[r][p % A] = _mm512_dpbf16_ps(acc[r][p % A], wv, (__m512bh)_mm512_set1_epi32(pair));
-        }
-      }
+      Line::template add<R, A>(line, x, a.ldx, k0, acc);
     }
     __m512 scale, offset;
     group_scales<KIND>(a.block, g, scale, offset);
-    const __m512 scale16 = _mm512_mul_ps(scale, sixteen);
-    add_group<R, A>(tot, acc, scale16, _mm512_sub_ps(offset, scale16), a.xsum, h.groups, g, true);
+    Line::fit(scale, offset);
+    add_group<R, A>(tot, acc, scale, offset, a.xsum, h.groups, g, Line::kOffsets || KIND != kScaleF16NoOffset);
   }
-  store_rows<c10::BFloat16, R>(a, tot);
+  store_rows<TOut, R>(a, tot);
 }
-#endif
 
 using PassFn = void (*)(const Pass&);
 
-template <template <typename, int, int> class F, typename TOut, int KIND, int... R>
+template <typename Line, typename TOut, int KIND, int... R>
 constexpr std::array<PassFn, sizeof...(R)> table(std::integer_sequence<int, R...>) {
-  return {&F<TOut, KIND, R + 1>::run...};
+  return {&pass<Line, TOut, KIND, R + 1>...};
 }
-template <typename TOut, int KIND, int R>
-struct Int4F32 {
-  static void run(const Pass& a) { pass_int4_f32<TOut, KIND, R>(a); }
-};
-template <typename TOut, int KIND, int R>
-struct Int8F32 {
-  static void run(const Pass& a) { pass_int8_f32<TOut, KIND, R>(a); }
-};
-#if defined(__AVX512BF16__)
-template <typename TOut, int KIND, int R>
-struct Int4Bf16 {
-  static void run(const Pass& a) { pass_int4_bf16<KIND, R>(a); }
-};
-#endif
 
 // The passes of R = 1..kRows rows for a weight's bits and scales, with x of type TX and y of TOut.
 template <typename TX, typename TOut, int KIND>
@@ -361,6 +344,235 @@ void linear_dequant_bf16(const c10::BFloat16* x, int64_t ldx, int64_t m, const u
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512VBMI__)
+// Many bf16 rows on AMX with the codes dequantized a tile at a time. Each thread takes its run of W's blocks
+// two at a time, and for each pair walks K a tile (32 k) at a time: the tile's 32 k of both blocks are
+// dequantized to bf16 (scale * code + offset, rounded once, as dequantize_block_bf16) into a W tile in L1
+// and multiplied right away by the first two x tiles (rows 0-31) into four tiles of float32 sums. The W
+// tiles stay in the thread's buffer, the blocks' whole K, for the x tiles after the first two (prompts): the
+// codes are turned into weights once a call, x is read in place (the last x tile padded once a call), and the
+// tile configuration is loaded once a thread.
+
+constexpr int64_t kTileRows = 16;  // rows of an x tile and of a tile of sums
+constexpr int64_t kTileK = 32;     // k of a tile: 16 pairs, a W tile's 16 lines of 64 bytes
+
+// Tiles 0-3: sums (x tile r and block b in tile 2 r + b), 4-5: x, 6-7: W; all 16 rows of 64 bytes.
+constexpr TileConfig kQuantTiles{{16, 64}, {16, 64}, {16, 64}, {16, 64},
+                                 {16, 64}, {16, 64}, {16, 64}, {16, 64}};
+
+// A group's scales and offsets for the two halves of a W tile line (pack_linear_weight's pairs: columns 0-7,
+// then 8-15, each column's value twice, for its pair of k), fitted to how the codes are read (see
+// dequantize_tile): int4 codes c as 1 + c / 16 (w = 16 scale (1 + c / 16) + offset - 16 scale), int8 codes
+// as c 2^24.
+struct LineScales {
+  __m512 scale[2], offset[2];
+};
+
+template <int BITS, int KIND>
+inline LineScales line_scales(const uint8_t* block, int64_t g) {
+  __m512 scale, offset;
+  group_scales<KIND>(block, g, scale, offset);
+  if constexpr (BITS == 4) {
+    scale = _mm512_mul_ps(scale, _mm512_set1_ps(16.f));
+    offset = _mm512_sub_ps(offset, scale);
+  } else {
+    scale = _mm512_mul_ps(scale, _mm512_set1_ps(0x1p-24f));
+  }
+  const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+  return {{_mm512_permutexvar_ps(low, scale), _mm512_permutexvar_ps(high, scale)},
+          {_mm512_permutexvar_ps(low, offset), _mm512_permutexvar_ps(high, offset)}};
+}
+
+// One W tile line: the float32 codes of columns 0-7 (each k pair) and of 8-15, scaled and offset, as bf16.
+inline void store_line(c10::BFloat16* out, __m512 low, __m512 high, const LineScales& s) {
+  const __m512 a = _mm512_fmadd_ps(low, s.scale[0], s.offset[0]);
+  const __m512 b = _mm512_fmadd_ps(high, s.scale[1], s.offset[1]);
+  _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+// The byte order that puts line pair q's codes of columns 8 h to 8 h + 7 (each k of the pair) in the top
+// byte of 16 dwords: the int8 code c as the int32 c 2^24.
+constexpr std::array<uint8_t, 64> int8_pair_order(int q, int h) {
+  std::array<uint8_t, 64> order{};
+  for (int i = 0; i < 16; ++i) order[4 * i + 3] = static_cast<uint8_t>((2 * q + i % 2) * kBlock + 8 * h + i / 2);
+  return order;
+}
+
+// W tile kt (k from kTileK kt) of a block into out (16 lines of 64 bytes), each weight
+// scale * code + offset rounded once to bf16.
+template <int BITS, int KIND>
+inline void dequantize_tile(const uint8_t* block, const QuantHeader& h, int64_t kt, c10::BFloat16* out) {
+  const uint8_t* codes = block + h.scale_bytes;
+  LineScales s;
+  if constexpr (BITS == 4) {
+    // A line of 8 k: its dwords (columns) reordered so that a pair's 16-bit codes unpack to columns 0-7
+    // (low) and 8-15 (high), each code placed as the bf16 1 + c / 16 (see Int4Bf16), then widened.
+    const __m512i order = _mm512_set_epi32(15, 14, 7, 6, 13, 12, 5, 4, 11, 10, 3, 2, 9, 8, 1, 0);
+    const __m512i mask = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
+    const __m512i zero = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < kTileK / 8; ++j) {
+      const int64_t k = kt * kTileK + 8 * j;
+      if (j == 0 || k % h.group_size == 0) s = line_scales<BITS, KIND>(block, k / h.group_size);
+      const __m512i lanes = _mm512_permutexvar_epi32(order, _mm512_loadu_si512(codes + k * 8));
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m512i placed = p == 0 ? _mm512_slli_epi32(lanes, 3) : _mm512_srli_epi32(lanes, 4 * p - 3);
+        const __m512i wv = _mm512_ternarylogic_epi32(placed, mask, one, 0xEA);
+        store_line(out + (4 * j + p) * 2 * kBlock, _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, wv)),
+                   _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, wv)), s);
+      }
+    }
+  } else {
+    // A line of 4 k (two pairs): each pair's codes of columns 0-7 and of 8-15 moved to the top bytes.
+    static constexpr std::array<std::array<uint8_t, 64>, 4> orders{int8_pair_order(0, 0), int8_pair_order(0, 1),
+                                                                   int8_pair_order(1, 0), int8_pair_order(1, 1)};
+    constexpr __mmask64 top = 0x8888888888888888ull;
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < kTileK / 4; ++j) {
+      const int64_t k = kt * kTileK + 4 * j;
+      if (j == 0 || k % h.group_size == 0) s = line_scales<BITS, KIND>(block, k / h.group_size);
+      const __m512i line = _mm512_loadu_si512(codes + k * kBlock);
+#pragma GCC unroll 2
+      for (int q = 0; q < 2; ++q) {
+        const auto half = [&](int hh) {
+          const __m512i order = _mm512_loadu_si512(orders[2 * q + hh].data());
+          return _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(top, order, line));
+        };
+        store_line(out + (2 * j + q) * 2 * kBlock, half(0), half(1), s);
+      }
+    }
+  }
+}
+
+// One tile step: RT x tiles (a0, a1; rows sa0, sa1 bytes apart) by BT W tiles (w0, w1) into the sums.
+template <int RT, int BT>
+inline void tile_step(const c10::BFloat16* a0, int64_t sa0, const c10::BFloat16* a1, int64_t sa1,
+                      const c10::BFloat16* w0, const c10::BFloat16* w1) {
+  _tile_loadd(4, a0, sa0);
+  if constexpr (RT > 1) _tile_loadd(5, a1, sa1);
+  _tile_loadd(6, w0, 2 * kBlock * 2);
+  if constexpr (BT > 1) _tile_loadd(7, w1, 2 * kBlock * 2);
+  _tile_dpbf16ps(0, 4, 6);
+  if constexpr (BT > 1) _tile_dpbf16ps(1, 4, 7);
+  if constexpr (RT > 1) _tile_dpbf16ps(2, 5, 6);
+  if constexpr (RT > 1 && BT > 1) _tile_dpbf16ps(3, 5, 7);
+}
+
+// The x tiles of a call: tile i is x's rows 16 i to 16 i + 15 in place, but the last where m is not a
+// multiple of 16, which is `pad` (those rows, then zeros).
+struct XTiles {
+  const c10::BFloat16* x;
+  int64_t ldx, m, k;
+  const c10::BFloat16* pad;
+  int64_t count() const { return (m + kTileRows - 1) / kTileRows; }
+  int64_t rows(int64_t i) const { return std::min(kTileRows, m - i * kTileRows); }
+  const c10::BFloat16* at(int64_t i, int64_t kt) const {
+    return (rows(i) < kTileRows ? pad : x + i * kTileRows * ldx) + kt * kTileK;
+  }
+  int64_t stride(int64_t i) const { return (rows(i) < kTileRows ? k : ldx) * 2; }
+};
+
+// x tiles i (and i + 1 when RT is 2) by blocks j (and j + 1 when BT is 2) over all K, into y. With
+// `dequantize`, each W tile is dequantized into buf (block b's at buf + b * 16 K) first; else it is there.
+template <int BITS, int KIND, int RT, int BT>
+void tile_rows(const XTiles& xt, int64_t i, const uint8_t* w, const QuantHeader& h, int64_t j, bool dequantize,
+               c10::BFloat16* buf, float* sums, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
+  _tile_zero(0);
+  if constexpr (BT > 1) _tile_zero(1);
+  if constexpr (RT > 1) _tile_zero(2);
+  if constexpr (RT > 1 && BT > 1) _tile_zero(3);
+  const int64_t a1 = RT > 1 ? i + 1 : i, tiles = h.k / kTileK;
+  // W tile kt of both blocks into the buffer
+  const auto dequantize_tiles = [&](int64_t kt) {
+    dequantize_tile<BITS, KIND>(w + j * h.block_bytes, h, kt, buf + kt * kTileK * kBlock);
+    if constexpr (BT > 1)
+      dequantize_tile<BITS, KIND>(w + (j + 1) * h.block_bytes, h, kt, buf + (h.k + kt * kTileK) * kBlock);
+  };
+  // Dequantizing tile kt + 1 before multiplying tile kt keeps the tile loads off the stores just made.
+  if (dequantize) dequantize_tiles(0);
+  for (int64_t kt = 0; kt < tiles; ++kt) {
+    if (dequantize && kt + 1 < tiles) dequantize_tiles(kt + 1);
+    const c10::BFloat16* w0 = buf + kt * kTileK * kBlock;
+    tile_step<RT, BT>(xt.at(i, kt), xt.stride(i), xt.at(a1, kt), xt.stride(a1), w0, w0 + h.k * kBlock);
+  }
+  constexpr int64_t kTile = kTileRows * kBlock;
+  _tile_stored(0, sums, kBlock * 4);
+  if constexpr (BT > 1) _tile_stored(1, sums + kTile, kBlock * 4);
+  if constexpr (RT > 1) _tile_stored(2, sums + 2 * kTile, kBlock * 4);
+  if constexpr (RT > 1 && BT > 1) _tile_stored(3, sums + 3 * kTile, kBlock * 4);
+  for (int rt = 0; rt < RT; ++rt)
+    for (int bt = 0; bt < BT; ++bt) {
+      const __mmask16 cols = block_cols(h.n, j + bt);
+      const __m512 b = bias_block(bias, j + bt, cols);
+      const float* c = sums + (2 * rt + bt) * kTile;
+      c10::BFloat16* out = y + (i + rt) * kTileRows * ldy + (j + bt) * kBlock;
+      for (int64_t r = 0; r < xt.rows(i + rt); ++r)
+        _mm256_mask_storeu_epi16(out + r * ldy, cols,
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * kBlock), b)));
+    }
+}
+
+template <int BITS, int KIND>
+void linear_quant_amx(const c10::BFloat16* x, int64_t ldx, int64_t m, const uint8_t* packed,
+                      const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
+  QuantHeader h;
+  std::memcpy(&h, packed, sizeof h);
+  const uint8_t* w = packed + kQuantHeaderBytes;
+  std::vector<c10::BFloat16> pad;
+  if (m % kTileRows != 0) {
+    const int64_t first = m / kTileRows * kTileRows;
+    pad.assign(kTileRows * h.k, c10::BFloat16(0.f));
+    for (int64_t r = first; r < m; ++r)
+      std::memcpy(pad.data() + (r - first) * h.k, x + r * ldx, h.k * sizeof(c10::BFloat16));
+  }
+  const XTiles xt{x, ldx, m, h.k, pad.data()};
+  const int64_t blocks = (h.n + kBlock - 1) / kBlock, pairs = (blocks + 1) / 2;
+  const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), pairs));
+#pragma omp parallel num_threads(threads)
+  {
+    _tile_loadconfig(&kQuantTiles);
+    thread_local std::vector<c10::BFloat16> buf;
+    buf.resize(std::max<size_t>(buf.size(), 2 * kBlock * h.k));
+    alignas(64) float sums[4 * kTileRows * kBlock];
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (int64_t u = pairs * t / nt; u < pairs * (t + 1) / nt; ++u) {
+      const int64_t j = 2 * u;
+      const bool two_blocks = j + 1 < blocks;
+      for (int64_t i = 0; i < xt.count(); i += 2) {
+        const bool two_rows = i + 1 < xt.count();
+        const auto run = [&](auto fn) { fn(xt, i, w, h, j, i == 0, buf.data(), sums, bias, y, ldy); };
+        if (two_rows && two_blocks)
+          run(tile_rows<BITS, KIND, 2, 2>);
+        else if (two_rows)
+          run(tile_rows<BITS, KIND, 2, 1>);
+        else if (two_blocks)
+          run(tile_rows<BITS, KIND, 1, 2>);
+        else
+          run(tile_rows<BITS, KIND, 1, 1>);
+      }
+    }
+    _tile_release();
+  }
+}
+
+using LinearQuantFn = void (*)(const c10::BFloat16*, int64_t, int64_t, const uint8_t*, const c10::BFloat16*,
+                               c10::BFloat16*, int64_t);
+
+// The AMX kernel for the weight, or null where it cannot take it (no AMX now, K not a multiple of 32).
+LinearQuantFn amx_fn(const QuantHeader& h) {
+  static constexpr LinearQuantFn fns[2][3] = {
+      {&linear_quant_amx<4, 0>, &linear_quant_amx<4, 1>, &linear_quant_amx<4, 2>},
+      {&linear_quant_amx<8, 0>, &linear_quant_amx<8, 1>, &linear_quant_amx<8, 2>}};
+  return h.k % kTileK == 0 && amx_enabled() ? fns[h.bits == 8][h.scale_kind] : nullptr;
+}
+#else
+using LinearQuantFn = void (*)(const c10::BFloat16*, int64_t, int64_t, const uint8_t*, const c10::BFloat16*,
+                               c10::BFloat16*, int64_t);
+LinearQuantFn amx_fn(const QuantHeader&) { return nullptr; }
+#endif
+
 bool use_dequant(int64_t m, const QuantHeader& h) {
   const int64_t rows = dequant_min_rows.load(std::memory_order_relaxed);
   return rows >= 0 && m >= rows && h.k % 2 == 0;
@@ -376,7 +588,10 @@ void linear_quant_impl(const T* x, int64_t ldx, int64_t m, const uint8_t* packed
   std::memcpy(&h, packed, sizeof h);
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (use_dequant(m, h)) return linear_dequant_bf16(x, ldx, m, packed, bias, y, ldy);
+    if (use_dequant(m, h)) {
+      if (const LinearQuantFn amx = amx_fn(h)) return amx(x, ldx, m, packed, bias, y, ldy);
+      return linear_dequant_bf16(x, ldx, m, packed, bias, y, ldy);
+    }
   }
 #endif
   const uint8_t* w = packed + kQuantHeaderBytes;
@@ -398,14 +613,16 @@ void linear_quant_impl(const T* x, int64_t ldx, int64_t m, const uint8_t* packed
     xf = widened.data();
     ldxf = k;
   }
-  // Each row's sum of x over each group, in k order (the offsets' products).
+  // Each row's sum of x over each group (the offsets' products), 16 k at a time.
   std::vector<float> xsum(m * groups);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t i = g * h.group_size; i < (g + 1) * h.group_size; ++i)
-        s += static_cast<float>(x[r * ldx + i]);
-      xsum[r * groups + g] = s;
+      const T* p = x + r * ldx + g * h.group_size;
+      vec::Vec sum = vec::zero();
+      int64_t i = 0;
+      for (; i + vec::kLanes <= h.group_size; i += vec::kLanes) sum = vec::add(sum, vec::load(p + i));
+      if (i < h.group_size) sum = vec::add(sum, vec::load_n(p + i, h.group_size - i));
+      xsum[r * groups + g] = vec::reduce_add(sum);
     }
   const PassFn* fns = h.scale_kind == kScaleF32   ? passes_of<T, T, kScaleF32>(h.bits)
                       : h.scale_kind == kScaleF16 ? passes_of<T, T, kScaleF16>(h.bits)
