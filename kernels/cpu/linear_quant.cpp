@@ -189,6 +189,13 @@ struct Int8F32 {
 // vdpbf16ps multiplies a pair of k of 16 columns by a pair of x in one instruction; the group's sum is then
 // sum(x) + sum(x c) / 16, and scale * sum(x c) + offset * sum(x) = 16 scale * acc + (offset - 16 scale) *
 // sum(x).
+// Pair p (k 2p and 2p + 1) of an int4 code line's 32-bit lanes, each code c as the bf16 1 + c/16: (placed &
+// mask) | one puts the pair's two codes in the mantissas of 1.0.
+inline __m512i int4_pair_bf16(__m512i lanes, int p) {
+  const __m512i placed = p == 0 ? _mm512_slli_epi32(lanes, 3) : _mm512_srli_epi32(lanes, 4 * p - 3);
+  return _mm512_ternarylogic_epi32(placed, _mm512_set1_epi32(0x00780078), _mm512_set1_epi32(0x3F803F80), 0xEA);
+}
+
 struct Int4Bf16 {
   using X = c10::BFloat16;
   static constexpr int kK = 8;
@@ -196,13 +203,10 @@ struct Int4Bf16 {
   template <int R, int A>
   static inline void add(const uint8_t* line, const c10::BFloat16* x, int64_t ldx, int64_t k0,
                          __m512 (&acc)[R][A]) {
-    const __m512i mask = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
     const __m512i lanes = _mm512_loadu_si512(line);
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
-      const __m512i placed = p == 0 ? _mm512_slli_epi32(lanes, 3) : _mm512_srli_epi32(lanes, 4 * p - 3);
-      // (placed & mask) | one: the pair's two codes in the mantissas of 1.0
-      const __m512bh wv = (__m512bh)_mm512_ternarylogic_epi32(placed, mask, one, 0xEA);
+      const __m512bh wv = (__m512bh)int4_pair_bf16(lanes, p);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         int32_t pair;
@@ -347,7 +351,7 @@ void linear_dequant_bf16(const c10::BFloat16* x, int64_t ldx, int64_t m, const u
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512VBMI__)
 // Many bf16 rows on AMX with the codes dequantized a tile at a time. Each thread takes its run of W's blocks
 // two at a time, and for each pair walks K a tile (32 k) at a time: the tile's 32 k of both blocks are
-// dequantized to bf16 (scale * code + offset, rounded once, as dequantize_block_bf16) into a W tile in L1
+// dequantized to bf16 (scale * code + offset, see dequantize_tile) into a W tile in L1
 // and multiplied right away by the first two x tiles (rows 0-31) into four tiles of float32 sums. The W
 // tiles stay in the thread's buffer, the blocks' whole K, for the x tiles after the first two (prompts): the
 // codes are turned into weights once a call, x is read in place (the last x tile padded once a call), and the
@@ -373,8 +377,7 @@ inline LineScales line_scales(const uint8_t* block, int64_t g) {
   __m512 scale, offset;
   group_scales<KIND>(block, g, scale, offset);
   if constexpr (BITS == 4) {
-    scale = _mm512_mul_ps(scale, _mm512_set1_ps(16.f));
-    offset = _mm512_sub_ps(offset, scale);
+    Int4Bf16::fit(scale, offset);
   } else {
     scale = _mm512_mul_ps(scale, _mm512_set1_ps(0x1p-24f));
   }
@@ -399,8 +402,10 @@ constexpr std::array<uint8_t, 64> int8_pair_order(int q, int h) {
   return order;
 }
 
-// W tile kt (k from kTileK kt) of a block into out (16 lines of 64 bytes), each weight
-// scale * code + offset rounded once to bf16.
+// W tile kt (k from kTileK kt) of a block into out (16 lines of 64 bytes), each weight scale * code + offset
+// in float32, then rounded to bf16: int8 codes in one fused multiply-add (one rounding, as
+// dequantize_block_bf16), int4 codes as 16 scale (1 + c/16) + (offset - 16 scale), whose offset term is
+// rounded once more first (within a float32 rounding of dequantize_block_bf16's, before the bf16 one).
 template <int BITS, int KIND>
 inline void dequantize_tile(const uint8_t* block, const QuantHeader& h, int64_t kt, c10::BFloat16* out) {
   const uint8_t* codes = block + h.scale_bytes;
@@ -409,7 +414,6 @@ inline void dequantize_tile(const uint8_t* block, const QuantHeader& h, int64_t 
     // A line of 8 k: its dwords (columns) reordered so that a pair's 16-bit codes unpack to columns 0-7
     // (low) and 8-15 (high), each code placed as the bf16 1 + c / 16 (see Int4Bf16), then widened.
     const __m512i order = _mm512_set_epi32(15, 14, 7, 6, 13, 12, 5, 4, 11, 10, 3, 2, 9, 8, 1, 0);
-    const __m512i mask = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
     const __m512i zero = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int64_t j = 0; j < kTileK / 8; ++j) {
@@ -418,8 +422,7 @@ inline void dequantize_tile(const uint8_t* block, const QuantHeader& h, int64_t 
       const __m512i lanes = _mm512_permutexvar_epi32(order, _mm512_loadu_si512(codes + k * 8));
 #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) {
-        const __m512i placed = p == 0 ? _mm512_slli_epi32(lanes, 3) : _mm512_srli_epi32(lanes, 4 * p - 3);
-        const __m512i wv = _mm512_ternarylogic_epi32(placed, mask, one, 0xEA);
+        const __m512i wv = int4_pair_bf16(lanes, p);
         store_line(out + (4 * j + p) * 2 * kBlock, _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, wv)),
                    _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, wv)), s);
       }
