@@ -17,6 +17,8 @@ import torch
 
 BLOCK = 16  # output columns of a packed block (kernels/cpu/linear.h kBlock)
 HEADER_BYTES = 64
+# kernels/cpu/linear_quant.h QuantHeader: magic, bits, scale kind, group size, n, k, groups, scale bytes, block bytes
+_HEADER_FORMAT = "<Iiiiqqqqq"
 MAGIC = 0x51505351
 SCALE_F32, SCALE_F16, SCALE_F16_NO_OFFSET = 0, 1, 2
 _SCALE_GROUP_BYTES = {SCALE_F32: 128, SCALE_F16: 64, SCALE_F16_NO_OFFSET: 32}
@@ -146,7 +148,7 @@ def pack_quant_weight(q: QuantizedWeight) -> torch.Tensor:
         code_bytes = code_bytes.view(blocks, -1)
     body = torch.cat([scales, code_bytes], dim=1)
     header = struct.pack(
-        "<Iiiiqqqqq", MAGIC, q.bits, kind, q.group_size, n, k, groups, scale_bytes, body.shape[1]
+        _HEADER_FORMAT, MAGIC, q.bits, kind, q.group_size, n, k, groups, scale_bytes, body.shape[1]
     ).ljust(HEADER_BYTES, b"\0")
     return torch.cat([torch.frombuffer(bytearray(header), dtype=torch.uint8), body.reshape(-1)])
 
@@ -163,7 +165,7 @@ class PackedRows:
 
     def __init__(self, packed: torch.Tensor) -> None:
         magic, bits, kind, group, n, k, groups, scale_bytes, block_bytes = struct.unpack_from(
-            "<Iiiiqqqqq", packed[:HEADER_BYTES].numpy().tobytes()
+            _HEADER_FORMAT, packed[:HEADER_BYTES].numpy().tobytes()
         )
         if magic != MAGIC:
             raise ValueError("not a packed quantized weight")
@@ -191,9 +193,8 @@ class PackedRows:
             data[:, : self.scale_width].contiguous().view(self.scale_dtype).view(t, self.groups, self.parts)
         )
         codes = data[:, self.scale_width :]
-        if (
-            self.bits == 4
-        ):  # each column's 4 bytes per 8 k hold k (0, 2), (4, 6), (1, 3), (5, 7), the first low
+        if self.bits == 4:
+            # each column's 4 bytes per 8 k hold k (0, 2), (4, 6), (1, 3), (5, 7), the first low
             lanes = codes.view(t, self.k // 8, 4)
             c = torch.empty(t, self.k // 8, 8, dtype=torch.uint8)
             c[..., _INT4_LOW], c[..., _INT4_HIGH] = lanes & 0x0F, lanes >> 4

@@ -301,9 +301,11 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-            raise RuntimeError(f"token id {bad} is outside the vocabulary ({self.num_embeddings})")
+        if ids.numel():
+            lowest, highest = int(ids.min()), int(ids.max())
+            if lowest < 0 or highest >= self.num_embeddings:
+                bad = lowest if lowest < 0 else highest
+                raise RuntimeError(f"token id {bad} is outside the vocabulary ({self.num_embeddings})")
         rows = self.rows(ids).to(self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
 
