@@ -193,7 +193,8 @@ struct Int8F32 {
 // mask) | one puts the pair's two codes in the mantissas of 1.0.
 inline __m512i int4_pair_bf16(__m512i lanes, int p) {
   const __m512i placed = p == 0 ? _mm512_slli_epi32(lanes, 3) : _mm512_srli_epi32(lanes, 4 * p - 3);
-  return _mm512_ternarylogic_epi32(placed, _mm512_set1_epi32(0x00780078), _mm512_set1_epi32(0x3F803F80), 0xEA);
+  return _mm512_ternarylogic_epi32(placed, _mm512_set1_epi32(0x00780078), _mm512_set1_epi32(0x3F803F80),
+                                   0xEA);
 }
 
 struct Int4Bf16 {
@@ -243,7 +244,8 @@ void pass(const Pass& a) {
     __m512 scale, offset;
     group_scales<KIND>(a.block, g, scale, offset);
     Line::fit(scale, offset);
-    add_group<R, A>(tot, acc, scale, offset, a.xsum, h.groups, g, Line::kOffsets || KIND != kScaleF16NoOffset);
+    add_group<R, A>(tot, acc, scale, offset, a.xsum, h.groups, g,
+                    Line::kOffsets || KIND != kScaleF16NoOffset);
   }
   store_rows<TOut, R>(a, tot);
 }
@@ -398,7 +400,8 @@ inline void store_line(c10::BFloat16* out, __m512 low, __m512 high, const LineSc
 // byte of 16 dwords: the int8 code c as the int32 c 2^24.
 constexpr std::array<uint8_t, 64> int8_pair_order(int q, int h) {
   std::array<uint8_t, 64> order{};
-  for (int i = 0; i < 16; ++i) order[4 * i + 3] = static_cast<uint8_t>((2 * q + i % 2) * kBlock + 8 * h + i / 2);
+  for (int i = 0; i < 16; ++i)
+    order[4 * i + 3] = static_cast<uint8_t>((2 * q + i % 2) * kBlock + 8 * h + i / 2);
   return order;
 }
 
@@ -429,8 +432,8 @@ inline void dequantize_tile(const uint8_t* block, const QuantHeader& h, int64_t 
     }
   } else {
     // A line of 4 k (two pairs): each pair's codes of columns 0-7 and of 8-15 moved to the top bytes.
-    static constexpr std::array<std::array<uint8_t, 64>, 4> orders{int8_pair_order(0, 0), int8_pair_order(0, 1),
-                                                                   int8_pair_order(1, 0), int8_pair_order(1, 1)};
+    static constexpr std::array<std::array<uint8_t, 64>, 4> orders{
+        int8_pair_order(0, 0), int8_pair_order(0, 1), int8_pair_order(1, 0), int8_pair_order(1, 1)};
     constexpr __mmask64 top = 0x8888888888888888ull;
 #pragma GCC unroll 8
     for (int64_t j = 0; j < kTileK / 4; ++j) {
@@ -480,8 +483,9 @@ struct XTiles {
 // x tiles i (and i + 1 when RT is 2) by blocks j (and j + 1 when BT is 2) over all K, into y. With
 // `dequantize`, each W tile is dequantized into buf (block b's at buf + b * 16 K) first; else it is there.
 template <int BITS, int KIND, int RT, int BT>
-void tile_rows(const XTiles& xt, int64_t i, const uint8_t* w, const QuantHeader& h, int64_t j, bool dequantize,
-               c10::BFloat16* buf, float* sums, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
+void tile_rows(const XTiles& xt, int64_t i, const uint8_t* w, const QuantHeader& h, int64_t j,
+               bool dequantize, c10::BFloat16* buf, float* sums, const c10::BFloat16* bias, c10::BFloat16* y,
+               int64_t ldy) {
   _tile_zero(0);
   if constexpr (BT > 1) _tile_zero(1);
   if constexpr (RT > 1) _tile_zero(2);
@@ -512,8 +516,9 @@ void tile_rows(const XTiles& xt, int64_t i, const uint8_t* w, const QuantHeader&
       const float* c = sums + (2 * rt + bt) * kTile;
       c10::BFloat16* out = y + (i + rt) * kTileRows * ldy + (j + bt) * kBlock;
       for (int64_t r = 0; r < xt.rows(i + rt); ++r)
-        _mm256_mask_storeu_epi16(out + r * ldy, cols,
-                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * kBlock), b)));
+        _mm256_mask_storeu_epi16(
+            out + r * ldy, cols,
+            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * kBlock), b)));
     }
 }
 

@@ -63,9 +63,10 @@ void linear_quant_to(const c10::BFloat16* x, int64_t ldx, int64_t m, const uint8
 at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 // Whether this build has linear_quant (AVX-512).
 bool has_linear_quant();
-// Rows of bf16 x from which the codes are dequantized to bf16 and multiplied on AMX tiles (a W tile at a time;
-// without AMX a few blocks at a time for the kernels' bf16 linear) rather than in registers; -1 never. The setter (-2:
-// the build's choice, kQuantDequantRows) returns the setting before; for benchmarks and tests.
+// Rows of bf16 x from which the codes are dequantized to bf16 and multiplied on AMX tiles (a W tile at a
+// time; without AMX a few blocks at a time for the kernels' bf16 linear) rather than in registers; -1 never.
+// The setter (-2: the build's choice, kQuantDequantRows) returns the setting before; for benchmarks and
+// tests.
 constexpr int64_t kQuantDequantRows = 6;
 constexpr int64_t kQuantDequantDefault = -2;
 int64_t quant_dequant_min_rows();

@@ -129,8 +129,10 @@ int64_t masked_argmax_row(const T* x, const int32_t* bits, int64_t n) {
   for (int64_t t = full * 32; t < n && !nan; ++t) {
     if (!((static_cast<uint32_t>(bits[t / 32]) >> (t % 32)) & 1u)) continue;
     const float v = static_cast<float>(x[t]);
-    if (std::isnan(v)) nan = true;
-    else if (v > best_value) best_value = v, best = t;
+    if (std::isnan(v))
+      nan = true;
+    else if (v > best_value)
+      best_value = v, best = t;
   }
   if (nan) {  // the first allowed NaN
     for (int64_t t = 0; t < n; ++t)
