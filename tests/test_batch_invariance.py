@@ -79,6 +79,47 @@ def test_a_rows_linear_bits_are_the_same_whatever_the_rows_beside_it(dtype, n, k
         assert torch.equal(last, alone[0]), (count, num_threads)
 
 
+def _bf16_with_edges(
+    shape: tuple[int, ...], exponents: tuple[int, int], gen: torch.Generator
+) -> torch.Tensor:
+    """bf16 of random sign and mantissa and biased exponents in [exponents), one in 16 a zero and one in 16
+    a denormal."""
+    sign = torch.randint(0, 2, shape, generator=gen) << 15
+    mantissa = torch.randint(0, 128, shape, generator=gen)
+    exponent = torch.randint(*exponents, shape, generator=gen) << 7
+    kind = torch.randint(0, 16, shape, generator=gen)
+    bits = torch.where(
+        kind == 0, sign, torch.where(kind == 1, sign | mantissa | 1, sign | exponent | mantissa)
+    )
+    return bits.to(torch.int16).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_few_rows_take_the_tiles_bits_with_zeros_denormals_and_tiny_products(num_threads, threads):
+    """One to five rows of a weight AMX takes run on AVX-512 FMAs in the tiles' own order (see
+    tiles_sum_in_chains): each row has the bits the tiles give it among 16 rows, zeros and denormals in x and
+    W included, and a row and a block of W so small that their products and sums are denormals (which the
+    tiles flush to zero)."""
+    kernels = cpu_ops.load()
+    if not kernels.has_amx():
+        pytest.skip("no AMX here: every row count takes the same AVX-512 body")
+    if not kernels.tiles_sum_in_chains():
+        pytest.skip("this CPU's tiles round otherwise: AMX takes every row count")
+    gen = torch.Generator().manual_seed(5)
+    n, k = 16 * 65, 1536
+    weight, x = _bf16_with_edges((n, k), (118, 134), gen), _bf16_with_edges((75, k), (118, 134), gen)
+    weight[:16], x[2] = _bf16_with_edges((16, k), (54, 64), gen), _bf16_with_edges((k,), (54, 64), gen)
+    packed = kernels.pack_linear_weight(weight)
+    threads(num_threads)
+    tiles = kernels.linear(x, packed, n, None)
+    assert tiles[2, :16].count_nonzero() < 16  # flushed
+    # The rows in calls of 1, 2, 3, 4 and 5 rows, over and over: a different rounding shows in a few of
+    # these outputs only.
+    bounds = [0, *itertools.accumulate([1, 2, 3, 4, 5] * 5)]
+    few = torch.cat([kernels.linear(x[a:b], packed, n, None) for a, b in itertools.pairwise(bounds)])
+    assert torch.equal(few, tiles), (few != tiles).nonzero()[:8].tolist()
+
+
 @pytest.mark.parametrize("rows", [1, 3, 6, 9, 40, 300])
 def test_the_mlps_fused_gate_up_and_silu_gives_a_row_its_bits_whatever_the_rows(rows, threads):
     x, weight, _ = _linear_rows(torch.bfloat16, 3072, 576, bias=False, seed=3)

@@ -60,6 +60,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "reduction order whatever the rows, fixed attention splits), or lets the kernels choose by the batch; "
       "returns the setting before");
   m.def("batch_invariant", &ps::batch_invariant, "Whether the kernels are batch-invariant now");
+  m.def(
+      "tiles_sum_in_chains", &ps::tiles_sum_in_chains,
+      "Whether this CPU's AMX tiles round as the few-row linear's tiles' order does (probed once a process): "
+      "batch-invariant, one to five rows then take AVX-512 in that order instead of the tiles");
   m.def("onednn_min_rows", &ps::onednn_min_rows, py::arg("f32"),
         "Rows from which the linear of bf16 (float32 where f32) hands the product to oneDNN, -1 never");
   m.def(

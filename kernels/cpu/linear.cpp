@@ -78,7 +78,7 @@ void linear_to(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat
   if (use_onednn(m, false)) return linear_onednn(x, ldx, m, w, pairs, n, bias, y, ldy);
   if (use_amx(m, pairs)) return linear_amx(x, ldx, m, w, pairs, n, bias, y, ldy);
 #if defined(__AVX512BF16__)
-  linear_bf16dot(x, ldx, m, w, pairs, n, bias, y, ldy);
+  linear_bf16dot(x, ldx, m, w, pairs, n, bias, y, ldy, amx_tile_order(pairs));
 #elif defined(__AVX2__) && defined(__FMA__)
   linear_widen(x, ldx, m, w, pairs, n, bias, y, ldy, false);
 #else

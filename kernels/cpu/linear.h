@@ -40,7 +40,8 @@ class Tensor;
 
 namespace pagedserve::cpu {
 
-constexpr int64_t kBlock = 16;  // output columns of a packed block
+constexpr int64_t kBlock = 16;         // output columns of a packed block
+constexpr int64_t kAmxTilePairs = 16;  // K pairs of an AMX tile: 32 bf16, 64 bytes, a W tile's 16 lines
 // How far ahead of the line being read a stream of W is prefetched, into L2; four streams side by side (the
 // decode rows, see BlockRuns) each prefetch nearer.
 constexpr int64_t kPrefetchBytes = 4096;
@@ -66,13 +67,19 @@ void linear_silu_to(const c10::BFloat16* x, int64_t m, const c10::BFloat16* w, i
 void check_linear_bias(const c10::optional<at::Tensor>& bias, int64_t n, const char* what, bool f32 = false);
 
 // The families' entry points (see above), each in the builds that have it.
+// tile_order: the sums in the order of AMX's tiles (see amx_tile_order), for up to 8 rows and K in whole
+// tiles.
 void linear_bf16dot(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w, int64_t pairs,
-                    int64_t n, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy);
+                    int64_t n, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy, bool tile_order);
 void linear_silu_bf16dot(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w,
                          int64_t pairs, int64_t size, const c10::BFloat16* bias, c10::BFloat16* out,
                          int64_t ld_out);
 int64_t bf16dot_silu_rows(int64_t m);
 bool use_amx(int64_t m, int64_t pairs);
+// Batch-invariant, whether the few rows of a weight of `pairs` K pairs that AMX takes for many rows go to
+// linear_bf16dot in the tiles' order: where this CPU's tiles round as that order says (ops.h
+// tiles_sum_in_chains, probed once a process; else AMX takes every row count).
+bool amx_tile_order(int64_t pairs);
 void linear_amx(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w, int64_t pairs,
                 int64_t n, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy);
 void linear_silu_amx(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w, int64_t pairs,

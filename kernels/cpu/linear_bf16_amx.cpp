@@ -13,6 +13,7 @@
 #include "amx.h"
 #include "common.h"
 #include "linear.h"
+#include "ops.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
@@ -27,16 +28,20 @@ namespace {
 // Rows from which linear_to and linear_silu_to take the AMX kernel: below it the AVX-512 BF16 kernels stream
 // the weights better.
 constexpr int64_t kAmxMinRows = 6;
-constexpr int64_t kAmxTileRows = 16;   // rows of an x tile and of a tile of sums
-constexpr int64_t kAmxTilePairs = 16;  // K pairs of a tile: 32 bf16, 64 bytes, a W tile's 16 lines
+constexpr int64_t kAmxTileRows = 16;  // rows of an x tile and of a tile of sums
 
 }  // namespace
 
-// Batch-invariant, every row count: tdpbf16ps sums a pair's products in an order of its own that the
-// AVX-512 BF16 kernels cannot reproduce (they differ in about 1 output in 5,000), so a weight AMX can take
-// takes it for a single decode row too, and a row's sums are the tiles' whatever the batch.
+// Batch-invariant, a weight AMX takes has its sums in the tiles' order for every row count: the few rows
+// through linear_bf16dot's FMAs in that order (amx_tile_order), or on a CPU whose tiles round otherwise,
+// through the tiles here too.
 bool use_amx(int64_t m, int64_t pairs) {
-  return (m >= kAmxMinRows || batch_invariant()) && pairs % kAmxTilePairs == 0 && amx_enabled();
+  return (m >= kAmxMinRows || (batch_invariant() && !tiles_sum_in_chains())) && pairs % kAmxTilePairs == 0 &&
+         amx_enabled();
+}
+
+bool amx_tile_order(int64_t pairs) {
+  return batch_invariant() && pairs % kAmxTilePairs == 0 && amx_enabled() && tiles_sum_in_chains();
 }
 
 namespace {
@@ -277,6 +282,7 @@ void linear_silu_amx(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::
 namespace pagedserve::cpu {
 
 bool use_amx(int64_t, int64_t) { return false; }
+bool amx_tile_order(int64_t) { return false; }
 
 void linear_amx(const c10::BFloat16*, int64_t, int64_t, const c10::BFloat16*, int64_t, int64_t,
                 const c10::BFloat16*, c10::BFloat16*, int64_t) {

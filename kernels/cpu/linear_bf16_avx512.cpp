@@ -8,6 +8,7 @@
 
 #include <array>
 #include <utility>
+#include <vector>
 
 #include "block_runs.h"
 #include "common.h"
@@ -165,6 +166,85 @@ constexpr std::array kStreams4 = {make_streams_tables<4, kFourStreamRows, false>
 constexpr std::array kStreams2 = {make_streams_tables<2, kTwoStreamRows, false>(),
                                   make_streams_tables<2, kTwoStreamRows, true>()};
 
+// The tiles' order: batch-invariant, the few rows of a weight that AMX takes for many rows (see
+// amx_tile_order) must get the bits its tiles would give them, while streaming W as the kernels above do.
+// tdpbf16ps sums a tile's 16 pairs into an output as two float32 chains, one over the pairs' first products
+// (k = 2p) and one over their second (k = 2p + 1), each a fused multiply-add a product in k order from zero,
+// then adds the two chains' sum to the output's sum; it treats denormal inputs and results as zeros.
+// tile_streams does exactly that with FMAs on the float32 rows of x (widened by the caller): a line of W
+// widened to its two halves (the first products' weights by a shift, the second's by a mask), times x's
+// pair as two broadcasts, under MXCSR's flush of denormals; the bias is added and the sum rounded after it,
+// as store_amx_tile does. amx_order.cpp probes the match on the CPU before this path is taken.
+constexpr unsigned kFlushDenormals = 0x8040;  // MXCSR's FTZ and DAZ
+// Rows up to which the tiles' order streams W as four streams, two chains a row and stream in registers.
+constexpr int kTileFourStreamRows = 3;
+
+template <int S, int ROWS, bool kL2>
+void tile_streams(const c10::BFloat16* w, int64_t step, const float* x, int64_t ldx, int64_t pairs,
+                  const __m512* bias, c10::BFloat16* y, int64_t ldy, const __mmask16* cols) {
+  const int64_t w_step = step * pairs * 2 * kBlock;
+  constexpr int64_t ahead = S >= 4 ? kFourStreamPrefetchBytes : kPrefetchBytes;
+  constexpr Fetch kFetch = kL2 ? Fetch::kReadL2 : Fetch::kRead;
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512 sum[S][ROWS];
+  const unsigned mxcsr = _mm_getcsr();
+  _mm_setcsr(mxcsr | kFlushDenormals);
+#pragma GCC unroll 32
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 32
+    for (int r = 0; r < ROWS; ++r) sum[s][r] = _mm512_setzero_ps();
+  for (int64_t p0 = 0; p0 < pairs; p0 += kAmxTilePairs) {
+    __m512 first[S][ROWS], second[S][ROWS];
+#pragma GCC unroll 32
+    for (int s = 0; s < S; ++s)
+#pragma GCC unroll 32
+      for (int r = 0; r < ROWS; ++r) first[s][r] = second[s][r] = _mm512_setzero_ps();
+    for (int64_t p = p0; p < p0 + kAmxTilePairs; ++p) {
+#pragma GCC unroll 32
+      for (int s = 0; s < S; ++s) {
+        const c10::BFloat16* line = w + s * w_step + p * 2 * kBlock;
+        prefetch_line(reinterpret_cast<const char*>(line) + ahead, kFetch);
+        const __m512i wv = _mm512_loadu_si512(line);
+        const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
+        const __m512 w1 = _mm512_castsi512_ps(_mm512_and_si512(wv, high));
+#pragma GCC unroll 32
+        for (int r = 0; r < ROWS; ++r) {
+          first[s][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 2 * p]), w0, first[s][r]);
+          second[s][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 2 * p + 1]), w1, second[s][r]);
+        }
+      }
+    }
+#pragma GCC unroll 32
+    for (int s = 0; s < S; ++s)
+#pragma GCC unroll 32
+      for (int r = 0; r < ROWS; ++r)
+        sum[s][r] = _mm512_add_ps(sum[s][r], _mm512_add_ps(first[s][r], second[s][r]));
+  }
+  _mm_setcsr(mxcsr);
+#pragma GCC unroll 32
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 32
+    for (int r = 0; r < ROWS; ++r)
+      _mm256_mask_storeu_epi16(y + s * step * kBlock + r * ldy, cols[s],
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum[s][r], bias[s])));
+}
+
+using TileStreamsFn = void (*)(const c10::BFloat16*, int64_t, const float*, int64_t, int64_t, const __m512*,
+                               c10::BFloat16*, int64_t, const __mmask16*);
+template <int S, bool kL2, int... R>
+constexpr auto make_tile_table(std::integer_sequence<int, R...>) {
+  return std::array<TileStreamsFn, sizeof...(R)>{&tile_streams<S, R + 1, kL2>...};
+}
+template <int S, int kRows>
+constexpr auto make_tile_tables() {
+  return std::array{make_tile_table<S, false>(std::make_integer_sequence<int, kRows>{}),
+                    make_tile_table<S, true>(std::make_integer_sequence<int, kRows>{})};
+}
+// Indexed by reads_ahead_into_l2(), then by rows - 1: four streams, two, and one (the blocks left over).
+constexpr auto kTileStreams4 = make_tile_tables<4, kTileFourStreamRows>();
+constexpr auto kTileStreams2 = make_tile_tables<2, kTwoStreamRows>();
+constexpr auto kTileStreams1 = make_tile_tables<1, kTwoStreamRows>();
+
 // m rows are computed in chunks of at most kMaxRows rows, as even as possible, and the chunks in groups of
 // kGroupChunks: a thread runs all its blocks over one group's rows, then the next group's, so that a
 // prompt's x is read from L2 (a group's rows of the SmolLM2 MLP's down: 120 x 3 KB) instead of from L3 once
@@ -193,15 +273,24 @@ inline void for_row_chunks(int64_t m, int64_t c0, int64_t c1, F&& f) {
 }  // namespace
 
 void linear_bf16dot(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w, int64_t pairs,
-                    int64_t n, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
+                    int64_t n, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy, bool tile_order) {
+  TORCH_CHECK(!tile_order || (m <= kTwoStreamRows && pairs % kAmxTilePairs == 0),
+              "the tiles' order takes up to ", kTwoStreamRows, " rows and K in whole tiles");
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), blocks));
   // Up to kTwoStreamRows rows, the threads share the blocks out as runs (see BlockRuns), each run read as
-  // four streams side by side (up to four rows; two up to eight), block i of each stream together; then
-  // the blocks the streams leave over, one at a time. More rows: each thread its contiguous run of blocks,
-  // a sequential stream of W.
-  const int64_t streams = m <= kFourStreamRows ? 4 : 2;
+  // four streams side by side (up to four rows, three in the tiles' order; two up to eight), block i of each
+  // stream together; then the blocks the streams leave over, one at a time. More rows: each thread its
+  // contiguous run of blocks, a sequential stream of W.
+  const int64_t streams = m <= (tile_order ? kTileFourStreamRows : kFourStreamRows) ? 4 : 2;
   BlockRuns runs(blocks, threads, streams);
+  // The tiles' order reads x in float32, widened once here for all the threads.
+  thread_local std::vector<float> wide;
+  if (tile_order) {
+    wide.resize(std::max<size_t>(wide.size(), m * 2 * pairs));
+    for (int64_t r = 0; r < m; ++r) load_row(x + r * ldx, wide.data() + r * 2 * pairs, 2 * pairs);
+  }
+  const float* const x32 = wide.data();
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -209,19 +298,27 @@ void linear_bf16dot(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::B
     const auto bias_of = [&](int64_t b) { return bias_block(bias, b, cols_of(b)); };
     if (m <= kTwoStreamRows) {
       const int l2 = reads_ahead_into_l2() ? 1 : 0, one_chain = batch_invariant() ? 1 : 0;
-      const StreamsFn step = streams == 4 ? kStreams4[one_chain][l2][m - 1] : kStreams2[one_chain][l2][m - 1];
       runs.work(t, [&](int r, int64_t u, int64_t) {
         int64_t first, part;
-        if (!runs.parts_of(r, u, first, part)) {
-          kKernelTables[one_chain][m - 1](w + first * pairs * 2 * kBlock, x, ldx, pairs, bias_of(first),
-                                          y + first * kBlock, ldy, cols_of(first));
-          return;
-        }
+        const bool together = runs.parts_of(r, u, first, part);
         __m512 biases[4];
         __mmask16 cols[4];
-        for (int s = 0; s < streams; ++s)
+        for (int s = 0; s < (together ? streams : 1); ++s)
           biases[s] = bias_of(first + s * part), cols[s] = cols_of(first + s * part);
-        step(w + first * pairs * 2 * kBlock, part, x, ldx, pairs, biases, y + first * kBlock, ldy, cols);
+        const c10::BFloat16* wf = w + first * pairs * 2 * kBlock;
+        c10::BFloat16* yf = y + first * kBlock;
+        if (tile_order) {
+          const TileStreamsFn step = !together      ? kTileStreams1[l2][m - 1]
+                                     : streams == 4 ? kTileStreams4[l2][m - 1]
+                                                    : kTileStreams2[l2][m - 1];
+          step(wf, part, x32, 2 * pairs, pairs, biases, yf, ldy, cols);
+        } else if (!together) {
+          kKernelTables[one_chain][m - 1](wf, x, ldx, pairs, biases[0], yf, ldy, cols[0]);
+        } else {
+          const StreamsFn step =
+              streams == 4 ? kStreams4[one_chain][l2][m - 1] : kStreams2[one_chain][l2][m - 1];
+          step(wf, part, x, ldx, pairs, biases, yf, ldy, cols);
+        }
       });
     } else {
       const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;

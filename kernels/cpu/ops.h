@@ -49,6 +49,9 @@ bool set_amx_enabled(bool enabled);
 // returns the setting before.
 bool set_batch_invariant(bool on);
 bool batch_invariant();
+// Whether this CPU's AMX tiles round as the AVX-512 linear's tiles' order does (see linear.h
+// amx_tile_order), probed once a process.
+bool tiles_sum_in_chains();
 // Rows from which the linear of bf16 (f32: float32) goes to oneDNN, -1 never; and its setting (-1 never, -2
 // the build's choice), which returns the setting before.
 int64_t onednn_min_rows(bool f32);
