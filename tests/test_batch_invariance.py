@@ -102,8 +102,8 @@ def test_the_mlps_fused_gate_up_and_silu_gives_a_row_its_bits_whatever_the_rows(
 def test_the_many_row_amx_walks_k_panels_and_groups_give_each_row_its_few_row_bits(
     rows, n, k, num_threads, threads
 ):
-    # From 16 rows the AMX linear walks K in panels (about 6 steps of 32; the sums stored between them) over
-    # groups of x-tile pairs and W blocks: K of 7, 13 and 33 steps end in a short panel, 80, 272 and 100
+    # From 16 rows the AMX linear walks K in panels (about 6 steps of 32, the sums stored between them) over
+    # groups of x-tile pairs and W blocks: K of 7, 13 and 33 steps split into uneven panels, 80, 272 and 100
     # columns are 5, 17 and 7 blocks (odd runs a thread, the last of 100 partial), 70, 97, 200 and 131 rows
     # end in a partial group and a padded tile. Each row must have the bits of the walk below 16 rows (one
     # tile, all of K in one pass), and the exact product rounded once. No oneDNN: these rows stay on AMX.

@@ -256,7 +256,7 @@ void linear_silu_amx(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::
   amx_region(threads, x, ldx, m, pairs, [&](int t, int nt, const RowTiles& tiles) {
     alignas(64) c10::BFloat16 gate[kAmxTileRows * kBlock], up[kAmxTileRows * kBlock];
     const int64_t j0 = half * t / nt, j1 = half * (t + 1) / nt;
-    // A step: gate block j with its up block, in panels of half as many steps as linear_amx's.
+    // A step: gate block j with its up block, in panels of as many blocks as linear_amx's.
     amx_walk(
         tiles, pairs, j1 - j0, std::max<int64_t>(1, panel_blocks(pairs) / 2),
         [&](int64_t s) {
