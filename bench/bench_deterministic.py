@@ -3,8 +3,9 @@ taking turns in one process, so that both variants meet the same moments of a sh
 
 Three measures:
   - the kernels whose choice the switch changes, one call at a time at the default model's shapes (bf16):
-    the linear for one row (a decode step) and for many (a prompt), a prompt's attention and decode
-    attention, the median of repeated calls;
+    the linear for one row (a decode step) and for many (a prompt: each projection at each of --rows,
+    oneDNN's with the switch off, the AMX tiles' on), a prompt's attention and decode attention, the
+    median of repeated calls;
   - bench-compare's mixed workload (compare_transformers.build_workload: prompts of 30..500 tokens and
     outputs of 16..160, all there at t=0) through one offline LLM, its prefix cache reset before each
     run; output tokens/s;
@@ -14,7 +15,7 @@ Each round runs the variants in turn, the order alternating between rounds (off-
 variant's figure is its median over the rounds, and the cost is on's time over off's.
 
     .venv/bin/python bench/bench_deterministic.py [--num-requests 24] [--rounds 5] [--dtype auto]
-        [--batch 1,16] [--context 512,2048] [--steps 16] [--threads N] [--kernels-only]
+        [--batch 1,16] [--context 512,2048] [--steps 16] [--threads N] [--kernels-only] [--rows 1500]
 
 Prints a table and writes bench/results/bench_deterministic.json.
 """
@@ -60,8 +61,9 @@ def _row(measure: str, runs: dict[bool, list[float]], scale: float = 1.0, rate: 
     }
 
 
-def kernel_rounds(ops, rounds: int) -> list[dict]:
-    """Median seconds of each kernel call of the default model's shapes under each variant."""
+def kernel_rounds(ops, rounds: int, many_rows: list[int]) -> list[dict]:
+    """Median seconds of each kernel call of the default model's shapes under each variant; the many-row
+    linears at each count of many_rows."""
     from test_kernels_reference import Case
 
     ext = ops._extension
@@ -73,8 +75,7 @@ def kernel_rounds(ops, rounds: int) -> list[dict]:
     }
     head = ext.pack_linear_weight(torch.randn(49152, 576, generator=gen).bfloat16())
     row = {k: torch.randn(1, k_, generator=gen).bfloat16() for k, (_, k_) in shapes.items()}
-    rows = torch.randn(1500, 576, generator=gen).bfloat16()
-    down_rows = torch.randn(1500, 1536, generator=gen).bfloat16()
+    prompt_rows = {k_: torch.randn(max(many_rows), k_, generator=gen).bfloat16() for k_ in (576, 1536)}
 
     def layer_linears() -> None:
         for name, (n, w) in packed.items():
@@ -88,12 +89,21 @@ def kernel_rounds(ops, rounds: int) -> list[dict]:
     calls = {
         "one row: a layer's qkv, o, gate_up, down": (layer_linears, 20),
         "one row: the LM head (49152 x 576)": (lambda: ext.linear(row["qkv"], head, 49152, None), 10),
-        "1500 rows: gate_up": (lambda: ext.linear(rows, packed["gate_up"][1], 3072, None), 5),
-        "1500 rows: gate_up and SiLU (the MLP's call)": (
-            lambda: ext.linear_silu(rows, packed["gate_up"][1], 1536, None),
-            5,
-        ),
-        "1500 rows: down": (lambda: ext.linear(down_rows, packed["down"][1], 576, None), 5),
+        **{
+            f"{m} rows: {name}": (
+                lambda m=m, name=name, n=n, k_=k_: ext.linear(prompt_rows[k_][:m], packed[name][1], n, None),
+                5,
+            )
+            for m in many_rows
+            for name, (n, k_) in shapes.items()
+        },
+        **{
+            f"{m} rows: gate_up and SiLU (the MLP's call)": (
+                lambda m=m: ext.linear_silu(prompt_rows[576][:m], packed["gate_up"][1], 1536, None),
+                5,
+            )
+            for m in many_rows
+        },
         "a 500-token prompt's attention, one layer": (
             lambda: ops.paged_prefill_attention(
                 prompt_q,
@@ -192,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=16, help="decode steps per cell")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--kernels-only", action="store_true", help="the kernel calls alone")
+    parser.add_argument("--rows", default="1500", help="row counts of the many-row linears")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -207,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"the batch-invariant switch is the CPU kernels'; this engine runs {llm.runner.ops.name}"
         )
-    rows = kernel_rounds(llm.runner.ops, args.rounds)
+    rows = kernel_rounds(llm.runner.ops, args.rounds, [int(m) for m in args.rows.split(",")])
     if not args.kernels_only:
         rates = workload_rounds(llm, work, args.rounds)
         rows.append(_row(f"bench-compare workload, {len(work)} requests (output tok/s)", rates, rate=True))

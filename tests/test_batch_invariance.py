@@ -13,7 +13,7 @@ import itertools
 
 import pytest
 import torch
-from test_kernels_cpu import CPU
+from test_kernels_cpu import CPU, _assert_rounds_the_exact_product_once, needs_amx
 from test_kernels_reference import Case, assert_matches_oracle, oracle
 
 from pagedserve.kernels import cpu_ops
@@ -132,6 +132,45 @@ def test_the_mlps_fused_gate_up_and_silu_gives_a_row_its_bits_whatever_the_rows(
         threads(num_threads)
         assert torch.equal(kernels.linear_silu(x[:rows], packed, 1536, None), alone)
     assert torch.equal(reference, alone)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("rows", "n", "k"),
+    [(70, 80, 224), (97, 272, 416), (200, 100, 1056), (131, 3072, 576)],
+)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_the_many_row_amx_walks_k_panels_and_groups_give_each_row_its_few_row_bits(
+    rows, n, k, num_threads, threads
+):
+    # From 16 rows the AMX linear walks K in panels (about 6 steps of 32, the sums stored between them) over
+    # groups of x-tile pairs and W blocks: K of 7, 13 and 33 steps split into uneven panels, 80, 272 and 100
+    # columns are 5, 17 and 7 blocks (odd runs a thread, the last of 100 partial), 70, 97, 200 and 131 rows
+    # end in a partial group and a padded tile. Each row must have the bits of the walk below 16 rows (one
+    # tile, all of K in one pass), and the exact product rounded once. No oneDNN: these rows stay on AMX.
+    kernels = cpu_ops.load()
+    before = kernels.set_onednn_min_rows(False, -1)
+    try:
+        gen = torch.Generator().manual_seed(rows + n + k)
+        weight = torch.randn(n, k, generator=gen).bfloat16()
+        bias = torch.randn(n, generator=gen).bfloat16() if n != 3072 else None
+        x = torch.randn(rows, k + 32, generator=gen).bfloat16()[:, 16 : 16 + k]  # rows k + 32 apart
+        packed = kernels.pack_linear_weight(weight)
+        threads(num_threads)
+        many = kernels.linear(x, packed, n, bias)
+        few = torch.cat([kernels.linear(x[r : r + 5], packed, n, bias) for r in range(0, rows, 5)])
+        assert torch.equal(many, few)
+        _assert_rounds_the_exact_product_once(many, x, weight, bias)
+        if n % 32 == 0 and bias is None:
+            half = n // 2
+            fused = kernels.linear_silu(x, packed, half, None)
+            assert torch.equal(
+                fused,
+                torch.cat([kernels.linear_silu(x[r : r + 5], packed, half, None) for r in range(0, rows, 5)]),
+            )
+            assert torch.equal(fused, CPU.silu_mul(few))
+    finally:
+        kernels.set_onednn_min_rows(False, before)
 
 
 # A sequence's context, long enough for several parts of the split decode attention (512 positions each).
