@@ -641,7 +641,8 @@ void invariant_tiles_bf16_64(const AttentionArgs<c10::BFloat16>& a, const std::v
   constexpr int64_t kSize = 64, kStride = kSize + 2;  // a part's floats: the output's sums, max, sum
   const int64_t part_tokens = invariant_part_blocks(a.block_size) * a.block_size;
   // A part's room in positions: whole steps of the score tiles (four runs of 16).
-  const int64_t room = (part_tokens + 4 * tiles::kScoreRun - 1) / (4 * tiles::kScoreRun) * 4 * tiles::kScoreRun;
+  const int64_t room =
+      (part_tokens + 4 * tiles::kScoreRun - 1) / (4 * tiles::kScoreRun) * 4 * tiles::kScoreRun;
   const int64_t num_blocks = static_cast<int64_t>(blocks.size()), group = a.group;
   // The tasks, the most work first (they are handed out dynamically), and where each block's partials start:
   // block b's row i, query head h * group + g, part p at first[b] + ((h * len + i) * group + g) * parts + p
@@ -709,66 +710,68 @@ void invariant_tiles_bf16_64(const AttentionArgs<c10::BFloat16>& a, const std::v
         if (!a.valid_block(table[b], b)) bad.report(table[b]), valid = false;
       if (!valid) continue;
       for (int64_t h = tk.h0; h < tk.h1; ++h) {
-      // The part's K and V rows (kv head h), block by block. They lie anywhere in the pool: where K is
-      // transposed, K's rows are fetched kFetchRows positions ahead and V's meanwhile, for the pairing after;
-      // a tile of one row's vectors reads them as the hardware fetches them (prefetches there cost more than
-      // they saved).
-      for (int64_t j = 0; j < n;) {
-        const int64_t pos = p0 + j, at = table[pos / a.block_size] * a.block_stride + h * a.head_stride;
-        for (int64_t r = pos % a.block_size; r < a.block_size && j < n; ++r, ++j) {
-          k_rows[j] = a.k_ptr + at + r * a.row_stride;
-          v_rows[j] = a.v_ptr + at + r * a.row_stride;
-        }
-      }
-      // The query vectors of the rows that see the part, lane = (i - i0) * group + g; as few as one tile's
-      // (a decode row's), their scores straight from K's rows where a block holds whole runs of 16
-      // positions, else from K transposed.
-      const int64_t i0 = std::max<int64_t>(0, p0 - c.pos0), lanes = (c.len - i0) * group;
-      const bool from_rows = lanes <= 16 && a.block_size % tiles::kScoreRun == 0;
-      constexpr int64_t kFetchRows = 32;
-      for (int64_t j = 0; j < std::min(n, kFetchRows) && !from_rows; ++j) prefetch_l2(k_rows[j], kSize * 2);
-      for (int64_t j0 = 0; j0 < n && !from_rows; j0 += 16) {
-        const bf16* rows[16];
-        for (int64_t j = 0; j < 16; ++j) rows[j] = j0 + j < n ? k_rows[j0 + j] : nullptr;
-        for (int64_t j = j0 + kFetchRows; j < std::min(n, j0 + kFetchRows + 16); ++j)
-          prefetch_l2(k_rows[j], kSize * 2);
-        for (int64_t j = j0; j < std::min(n, j0 + 16); ++j) prefetch_l2(v_rows[j], kSize * 2);
-        bf16dot::transpose_k_64(rows, &kt[j0 * 2]);
-      }
-      const int64_t n32 = (n + tiles::kValueRun - 1) / tiles::kValueRun * tiles::kValueRun;
-      // V paired once K is scored (and V fetched meanwhile).
-      const auto pair_values = [&] {
-        for (int64_t j = 0; j < n32; j += 2)
-          bf16dot::pair_v_64(j < n ? v_rows[j] : kZeros, j + 1 < n ? v_rows[j + 1] : kZeros, &vp[j * 2]);
-      };
-      if (!from_rows) pair_values();
-      for (int64_t l0 = 0; l0 < lanes; l0 += 16) {
-        const int64_t m = std::min<int64_t>(16, lanes - l0);
-        for (int64_t l = 0; l < m; ++l) {
-          const int64_t i = i0 + (l0 + l) / group, g = (l0 + l) % group;
-          const bf16* q = a.q_ptr + (c.row0 + i) * a.q_stride + (h * group + g) * kSize;
-          std::copy(q, q + kSize, &qa[l * kSize]);
-        }
-        if (from_rows) {
-          tiles::query_pairs(qa.data(), kt.data());
-          for (int64_t j0 = 0; j0 < n; j0 += 4 * tiles::kScoreRun) {
-            const int64_t run = std::min(4 * tiles::kScoreRun, n - j0);
-            tiles::scores_from_rows(kt.data(), &k_rows[j0], a.row_stride, run, m, &s[j0], room);
+        // The part's K and V rows (kv head h), block by block. They lie anywhere in the pool: where K is
+        // transposed, K's rows are fetched kFetchRows positions ahead and V's meanwhile, for the pairing
+        // after; a tile of one row's vectors reads them as the hardware fetches them (prefetches there cost
+        // more than they saved).
+        for (int64_t j = 0; j < n;) {
+          const int64_t pos = p0 + j, at = table[pos / a.block_size] * a.block_stride + h * a.head_stride;
+          for (int64_t r = pos % a.block_size; r < a.block_size && j < n; ++r, ++j) {
+            k_rows[j] = a.k_ptr + at + r * a.row_stride;
+            v_rows[j] = a.v_ptr + at + r * a.row_stride;
           }
-          pair_values();
-        } else {
-          tiles::scores(qa.data(), kt.data(), n, s.data(), room);
         }
-        float* slot[16];
-        for (int64_t l = 0; l < m; ++l) {
-          const int64_t i = i0 + (l0 + l) / group, g = (l0 + l) % group;
-          slot[l] = partial0 + first[tk.block] + (((h * c.len + i) * group + g) * parts + tk.part) * kStride;
-          const int64_t visible = std::min(n, c.pos0 + i + 1 - p0);
-          slot[l][kSize + 1] = tiles::weights(&s[l * room], visible, a.fscale, &w[l * room], n32, &slot[l][kSize]);
+        // The query vectors of the rows that see the part, lane = (i - i0) * group + g; as few as one tile's
+        // (a decode row's), their scores straight from K's rows where a block holds whole runs of 16
+        // positions, else from K transposed.
+        const int64_t i0 = std::max<int64_t>(0, p0 - c.pos0), lanes = (c.len - i0) * group;
+        const bool from_rows = lanes <= 16 && a.block_size % tiles::kScoreRun == 0;
+        constexpr int64_t kFetchRows = 32;
+        for (int64_t j = 0; j < std::min(n, kFetchRows) && !from_rows; ++j) prefetch_l2(k_rows[j], kSize * 2);
+        for (int64_t j0 = 0; j0 < n && !from_rows; j0 += 16) {
+          const bf16* rows[16];
+          for (int64_t j = 0; j < 16; ++j) rows[j] = j0 + j < n ? k_rows[j0 + j] : nullptr;
+          for (int64_t j = j0 + kFetchRows; j < std::min(n, j0 + kFetchRows + 16); ++j)
+            prefetch_l2(k_rows[j], kSize * 2);
+          for (int64_t j = j0; j < std::min(n, j0 + 16); ++j) prefetch_l2(v_rows[j], kSize * 2);
+          bf16dot::transpose_k_64(rows, &kt[j0 * 2]);
         }
-        tiles::values(w.data(), room, vp.data(), n32 / tiles::kValueRun, out.data());
-        for (int64_t l = 0; l < m; ++l) std::copy(&out[l * kSize], &out[(l + 1) * kSize], slot[l]);
-      }
+        const int64_t n32 = (n + tiles::kValueRun - 1) / tiles::kValueRun * tiles::kValueRun;
+        // V paired once K is scored (and V fetched meanwhile).
+        const auto pair_values = [&] {
+          for (int64_t j = 0; j < n32; j += 2)
+            bf16dot::pair_v_64(j < n ? v_rows[j] : kZeros, j + 1 < n ? v_rows[j + 1] : kZeros, &vp[j * 2]);
+        };
+        if (!from_rows) pair_values();
+        for (int64_t l0 = 0; l0 < lanes; l0 += 16) {
+          const int64_t m = std::min<int64_t>(16, lanes - l0);
+          for (int64_t l = 0; l < m; ++l) {
+            const int64_t i = i0 + (l0 + l) / group, g = (l0 + l) % group;
+            const bf16* q = a.q_ptr + (c.row0 + i) * a.q_stride + (h * group + g) * kSize;
+            std::copy(q, q + kSize, &qa[l * kSize]);
+          }
+          if (from_rows) {
+            tiles::query_pairs(qa.data(), kt.data());
+            for (int64_t j0 = 0; j0 < n; j0 += 4 * tiles::kScoreRun) {
+              const int64_t run = std::min(4 * tiles::kScoreRun, n - j0);
+              tiles::scores_from_rows(kt.data(), &k_rows[j0], a.row_stride, run, m, &s[j0], room);
+            }
+            pair_values();
+          } else {
+            tiles::scores(qa.data(), kt.data(), n, s.data(), room);
+          }
+          float* slot[16];
+          for (int64_t l = 0; l < m; ++l) {
+            const int64_t i = i0 + (l0 + l) / group, g = (l0 + l) % group;
+            slot[l] =
+                partial0 + first[tk.block] + (((h * c.len + i) * group + g) * parts + tk.part) * kStride;
+            const int64_t visible = std::min(n, c.pos0 + i + 1 - p0);
+            slot[l][kSize + 1] =
+                tiles::weights(&s[l * room], visible, a.fscale, &w[l * room], n32, &slot[l][kSize]);
+          }
+          tiles::values(w.data(), room, vp.data(), n32 / tiles::kValueRun, out.data());
+          for (int64_t l = 0; l < m; ++l) std::copy(&out[l * kSize], &out[(l + 1) * kSize], slot[l]);
+        }
       }
     }
     _tile_release();

@@ -39,8 +39,9 @@ namespace pagedserve::cpu::invariant_amx {
 // Positions of a K tile, and of a weights tile.
 constexpr int64_t kScoreRun = 16, kValueRun = 32;
 // Tiles 0 and 3: B (K transposed or the query pairs, then V pairs); 1, 2: A (the queries' or K's dims 0-31
-// and 32-63, then the weights in 1); 4-7: the sums (the scores of four runs of 16 positions, then the output's
-// four runs of 16 dims). Each 16 rows of 64 bytes: a tile of fewer vectors computes its unused rows too.
+// and 32-63, then the weights in 1); 4-7: the sums (the scores of four runs of 16 positions, then the
+// output's four runs of 16 dims). Each 16 rows of 64 bytes: a tile of fewer vectors computes its unused rows
+// too.
 constexpr TileConfig kTiles{{16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 64}};
 
 // s[v * s_stride + j] = query vector v . K row j for the 16 query vectors of qa (64 bf16 each, contiguous)
@@ -93,9 +94,9 @@ inline void scores(const c10::BFloat16* qa, const __m512i* kt, int64_t n, float*
 // `scores` for a tile of few query vectors (a decode row's group), its products the other way round: the
 // same elements, so the same bits (each product of two bf16 values is exact, and the chains' order is
 // that of the dim pairs either way), without transposing K. The K tiles are 16 positions of the cache as
-// they lie (k_rows[j0] the first row of positions j0 .. j0 + 15, row_stride elements apart, all in one block),
-// the queries the B tiles (qp: query_pairs), the result 16 positions by 16 vectors, transposed after into
-// s[v * s_stride + j] for the m vectors v < m.
+// they lie (k_rows[j0] the first row of positions j0 .. j0 + 15, row_stride elements apart, all in one
+// block), the queries the B tiles (qp: query_pairs), the result 16 positions by 16 vectors, transposed after
+// into s[v * s_stride + j] for the m vectors v < m.
 inline void scores_from_rows(const __m512i* qp, const c10::BFloat16* const* k_rows, int64_t row_stride,
                              int64_t n, int64_t m, float* s, int64_t s_stride) {
   const int64_t bytes = row_stride * 2;
@@ -191,7 +192,8 @@ inline void values(const c10::BFloat16* pa, int64_t pa_stride, const __m512i* vp
 // One query vector's softmax over its n visible scores (unscaled, at s): the weights exp(s * scale - max)
 // rounded to bf16 into w[0 .. w_len) (zeros from n), as the output's tiles take them; returns the sum of the
 // unrounded weights, and the max into *max_out.
-inline float weights(const float* s, int64_t n, float scale, c10::BFloat16* w, int64_t w_len, float* max_out) {
+inline float weights(const float* s, int64_t n, float scale, c10::BFloat16* w, int64_t w_len,
+                     float* max_out) {
   const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 top = ninf;
   for (int64_t i = 0; i < n; i += 16) {
