@@ -660,6 +660,17 @@ void invariant_tiles_bf16_64(const AttentionArgs<c10::BFloat16>& a, const std::v
     first[b + 1] = first[b] + a.num_kv_heads * blocks[b].len * group * parts * kStride;
     block_parts += parts;
   }
+  // A long prompt's partials (every row's parts of every head) would take a lot of memory at once: its
+  // blocks go in calls of at most kMaxPartials floats each (any one block alone), which changes no row's
+  // sums.
+  constexpr int64_t kMaxPartials = 4 << 20;
+  if (num_blocks > 1 && first[num_blocks] > kMaxPartials) {
+    for (int64_t b0 = 0, b1; b0 < num_blocks; b0 = b1) {
+      for (b1 = b0 + 1; b1 < num_blocks && first[b1 + 1] - first[b0] <= kMaxPartials;) ++b1;
+      invariant_tiles_bf16_64(a, std::vector<RowChunk>(blocks.begin() + b0, blocks.begin() + b1));
+    }
+    return;
+  }
   const int64_t task_heads = block_parts >= kInvariantTasksPerThread * threads ? a.num_kv_heads : 1;
   std::vector<Task> tasks;
   for (int64_t b = 0; b < num_blocks; ++b) {
