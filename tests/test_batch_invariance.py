@@ -265,6 +265,36 @@ def test_a_prompts_blocked_rows_pair_positions_as_the_decode_step_does_in_any_bl
         assert torch.equal(_chunks(case, query, bounds), decode), (bounds, num_threads)
 
 
+@pytest.mark.parametrize(("num_kv_heads", "group"), [(1, 8), (2, 5), (4, 1)])
+def test_a_prompt_rows_attention_has_the_decode_bits_in_any_group_size(num_kv_heads, group, threads):
+    # With AMX a prompt's query vectors share tiles of 16 (a row's group split across two where 16 is no
+    # multiple of it, its scores from K transposed), while a decode row's group or a short chunk's rows fill
+    # one tile alone (their scores from K's rows as the cache holds them): the same bits either way.
+    context = 560
+    case = Case([context], 16, num_kv_heads, 64, torch.bfloat16, seed=group, layout="head-major")
+    query = torch.randn(context, num_kv_heads * group, 64, generator=case.gen).bfloat16()
+    positions = [0, 1, 15, 16, 17, 100, 511, 512, 513, *range(context - 20, context)]
+    threads(1)
+    decode = _decode_rows(case, query, positions)
+    assert_matches_oracle(decode[-20:], oracle(query[-20:], case, [20], 0.125), torch.bfloat16)
+    for bounds, num_threads in itertools.product([[0, context], [0, 1, 3, 17, 514, 516, context]], [1, 2]):
+        threads(num_threads)
+        assert torch.equal(_chunks(case, query, bounds)[positions], decode), (bounds, num_threads)
+
+
+def test_a_long_prompts_rows_have_the_decode_bits_when_their_parts_are_merged_in_several_calls(threads):
+    # 2600 rows of 16 query heads hold more parts than the AMX tiles keep at once: their blocks of rows are
+    # computed in several calls of bounded memory, each row's sums unchanged.
+    context = 2600
+    case = Case([context], 16, 2, 64, torch.bfloat16, seed=26, layout="head-major")
+    query = torch.randn(context, 16, 64, generator=case.gen).bfloat16()
+    positions = [0, 700, 1535, 1536, 2047, *range(context - 8, context)]
+    threads(2)
+    decode = _decode_rows(case, query, positions)
+    assert_matches_oracle(decode[-8:], oracle(query[-8:], case, [8], 0.125), torch.bfloat16)
+    assert torch.equal(_chunks(case, query, [0, context])[positions], decode)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_decode_rows_attention_is_the_same_in_any_batch_and_on_any_thread_count(dtype, threads):
     # Without batch invariance a lone long decode row's context is split by the thread count, a batch's

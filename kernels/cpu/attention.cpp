@@ -38,12 +38,14 @@ AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Te
   const int64_t threads = std::max(1, at::get_num_threads());
   const int64_t group = num_heads / k_cache.size(2);
   // On AVX-512 the tiled kernel takes head sizes of whole registers. Batch-invariant, every row goes through
-  // the row kernel, as a decode row does, and none is left to the caller (see attention.h).
+  // the row kernel, as a decode row does, or with AMX every row through the blocked rows' tiles, and none is
+  // left to the caller (see attention.h).
   const bool invariant = batch_invariant();
   const bool can_tile =
       !invariant && kHasTiles && group <= kTileLanes && k_cache.size(3) % (vec::kLanes == 16 ? 16 : 1) == 0;
   if (invariant) max_pairs = -1;
   const bool blocked_fit = invariant && blocked_rows_fit(k_cache);
+  const bool all_blocked = invariant && invariant_tiles_fit(k_cache);
   if (min_tile_lanes < 0) min_tile_lanes = kTileMinLanes;
   AttentionPlan plan;
   plan.chunks.reserve(num_tokens);
@@ -63,7 +65,7 @@ AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Te
           plan.tiles.push_back({s, h, start[s] + i, ctx[s] - q_len + i, std::min(rows, q_len - i)});
       continue;
     }
-    if (invariant && q_len >= kBlockedMinRows && blocked_fit) {
+    if (q_len > 0 && (all_blocked || (invariant && q_len >= kBlockedMinRows && blocked_fit))) {
       const int64_t num_row_blocks = (q_len + kBlockedRows - 1) / kBlockedRows;
       const int64_t rows = (q_len + num_row_blocks - 1) / num_row_blocks;
       for (int64_t i = 0; i < q_len; i += rows)

@@ -16,14 +16,15 @@
 
 namespace pagedserve::cpu {
 
-// Batch invariance (common.h batch_invariant): every query row, a prompt's too, gets the row kernel's
-// arithmetic, which reduces each row over its positions alone, in position order and in the same passes
-// whatever the rows beside it (long prompt chunks through blocked_rows, which computes the same); a context
-// longer than kInvariantPartTokens is split into parts of that many positions (from position 0), each row's
-// parts merged in order, whatever the batch and the thread count.
+// Batch invariance (common.h batch_invariant): every query row, a prompt's too, gets one arithmetic that
+// reduces each row over its positions alone, in the same order and passes whatever the rows beside it: with
+// AMX (invariant_tiles_fit) every row's tile products (blocked_rows), else the row kernel's (long prompt
+// chunks through blocked_rows, which computes the same); a context longer than kInvariantPartTokens is split
+// into parts of that many positions (from position 0), each row's parts merged in order, whatever the batch
+// and the thread count.
 constexpr int64_t kInvariantPartTokens = 512;
 // Batch-invariant, a sequence of this many query rows or more (a prompt chunk) takes blocked_rows in blocks
-// of up to kBlockedRows rows, where blocked_rows_fit.
+// of up to kBlockedRows rows, where blocked_rows_fit; every sequence does, where invariant_tiles_fit.
 constexpr int64_t kBlockedMinRows = 16;
 constexpr int64_t kBlockedRows = 32;
 
@@ -141,6 +142,10 @@ void row_attention(const AttentionArgs<T>& a, const std::vector<RowChunk>& chunk
 template <typename T>
 void blocked_rows(const AttentionArgs<T>& a, const std::vector<RowChunk>& blocks);
 bool blocked_rows_fit(const at::Tensor& k_cache);
+// Batch-invariant with AMX tiles (bf16 of head size 64, AMX enabled): every row, a decode row too, takes
+// blocked_rows, which computes them all on tiles in an arithmetic of its own (attention_invariant_amx.h)
+// instead of the row kernel's, at about the tiled kernel's speed for a prompt.
+bool invariant_tiles_fit(const at::Tensor& k_cache);
 template <typename T>
 void tiled_attention(const AttentionArgs<T>& a, const std::vector<QueryTile>& tasks,
                      const std::vector<TileSplit>& splits, int64_t num_partials);

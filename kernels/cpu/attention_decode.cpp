@@ -9,7 +9,9 @@
 // (attention_decode_bf16.h).
 //
 // Batch-invariant, long prompt chunks take the blocked rows (blocked_rows, at the end): the row kernel's
-// sums for every row, from K and V laid out once per part for a block of rows.
+// sums for every row, from K and V laid out once per part for a block of rows; with AMX every row, decode
+// rows too, takes the blocked rows' tiles instead (invariant_tiles_bf16_64), whose sums are not the row
+// kernel's but are a row's own in a tile of one row as of many.
 
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -23,6 +25,7 @@
 
 #include "attention.h"
 #include "attention_decode_bf16.h"
+#include "attention_invariant_amx.h"
 #include "common.h"
 #include "prefetch.h"
 #include "vec.h"
@@ -622,7 +625,195 @@ void blocked_rows_bf16_64(const AttentionArgs<c10::BFloat16>& a, const std::vect
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// Batch-invariant with AMX, every row of bf16 and head size 64 (see invariant_tiles_fit): a task is a block
+// of rows (a decode row alone, or up to kBlockedRows rows of a prompt), a kv head and one of the parts of
+// kInvariantPartTokens positions its rows see. It lays the part's K out transposed and its V paired once for
+// its rows, then, 16 query vectors at a time (a row's group of query heads, row after row), computes their
+// scores on tiles, each vector's softmax over the positions it sees (the weights rounded to bf16, zero past
+// them) and its output on tiles (invariant_amx: why each vector's sums are its own, whatever the tile's
+// other vectors). Past its visible positions a vector's weights are zero and the V rows past the sequence
+// zero, so the tiles a prompt row shares with later rows add exact zeros: its output is the one its decode
+// step computes. Each row's parts are merged after, in order (merge_parts).
+void invariant_tiles_bf16_64(const AttentionArgs<c10::BFloat16>& a, const std::vector<RowChunk>& blocks) {
+  using bf16 = c10::BFloat16;
+  namespace tiles = invariant_amx;
+  constexpr int64_t kSize = 64, kStride = kSize + 2;  // a part's floats: the output's sums, max, sum
+  const int64_t part_tokens = invariant_part_blocks(a.block_size) * a.block_size;
+  // A part's room in positions: whole steps of the score tiles (four runs of 16).
+  const int64_t room =
+      (part_tokens + 4 * tiles::kScoreRun - 1) / (4 * tiles::kScoreRun) * 4 * tiles::kScoreRun;
+  const int64_t num_blocks = static_cast<int64_t>(blocks.size()), group = a.group;
+  // The tasks, the most work first (they are handed out dynamically), and where each block's partials start:
+  // block b's row i, query head h * group + g, part p at first[b] + ((h * len + i) * group + g) * parts + p
+  // (kStride floats each).
+  // A task's kv heads h0 .. h1: all of them where the blocks' parts are tasks enough to keep the threads busy
+  // (a block's K and V rows of every head are read together), else one.
+  struct Task {
+    int64_t block, h0, h1, part, work;
+  };
+  const int threads = std::max(1, at::get_num_threads());
+  std::vector<int64_t> first(num_blocks + 1, 0);
+  int64_t block_parts = 0;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t parts = (blocks[b].pos0 + blocks[b].len + part_tokens - 1) / part_tokens;
+    first[b + 1] = first[b] + a.num_kv_heads * blocks[b].len * group * parts * kStride;
+    block_parts += parts;
+  }
+  // A long prompt's partials (every row's parts of every head) would take a lot of memory at once: its
+  // blocks go in calls of at most kMaxPartials floats each (any one block alone), which changes no row's
+  // sums.
+  constexpr int64_t kMaxPartials = 4 << 20;
+  if (num_blocks > 1 && first[num_blocks] > kMaxPartials) {
+    for (int64_t b0 = 0, b1; b0 < num_blocks; b0 = b1) {
+      for (b1 = b0 + 1; b1 < num_blocks && first[b1 + 1] - first[b0] <= kMaxPartials;) ++b1;
+      invariant_tiles_bf16_64(a, std::vector<RowChunk>(blocks.begin() + b0, blocks.begin() + b1));
+    }
+    return;
+  }
+  const int64_t task_heads = block_parts >= kInvariantTasksPerThread * threads ? a.num_kv_heads : 1;
+  std::vector<Task> tasks;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const RowChunk& c = blocks[b];
+    const int64_t span = c.pos0 + c.len;
+    for (int64_t p = 0; p * part_tokens < span; ++p) {
+      const int64_t p0 = p * part_tokens, n = std::min(span, p0 + part_tokens) - p0;
+      const int64_t rows = c.pos0 + c.len - std::max(c.pos0, p0);
+      for (int64_t h = 0; h < a.num_kv_heads; h += task_heads)
+        tasks.push_back({b, h, std::min(a.num_kv_heads, h + task_heads), p, n * (rows + 8) * task_heads});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.work > y.work; });
+  // The partials outlive the call (not zeroed: every slot a merge reads is written first).
+  static thread_local std::vector<float> partials;
+  partials.resize(std::max<size_t>(partials.size(), first[num_blocks]));
+  float* const partial0 = partials.data();
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  alignas(64) static const bf16 kZeros[kSize] = {};
+  BadBlock bad;
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, num_tasks)))
+  {
+    _tile_loadconfig(&tiles::kTiles);
+    // kt, vp: the part's K transposed and V paired; qa: 16 query vectors; s, w: their scores and weights;
+    // out: their output.
+    thread_local std::vector<__m512i> kt, vp;
+    thread_local std::vector<bf16> qa, w;
+    thread_local std::vector<float> s, out, sum_v;
+    thread_local std::vector<const bf16*> k_rows, v_rows;
+    k_rows.resize(part_tokens);
+    v_rows.resize(part_tokens);
+    kt.resize(room * 2);
+    vp.resize(room * 2);
+    qa.resize(16 * kSize);
+    w.resize(16 * room);
+    s.resize(16 * room);
+    out.resize(16 * kSize);
+    sum_v.resize(kSize);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_tasks; ++task) {
+      const Task& tk = tasks[task];
+      const RowChunk& c = blocks[tk.block];
+      const int64_t span = c.pos0 + c.len, parts = (span + part_tokens - 1) / part_tokens;
+      const int32_t* table = a.tables + c.seq * a.table_stride;
+      const int64_t p0 = tk.part * part_tokens, n = std::min(span, p0 + part_tokens) - p0;
+      bool valid = true;
+      for (int64_t b = p0 / a.block_size; b <= (p0 + n - 1) / a.block_size && valid; ++b)
+        if (!a.valid_block(table[b], b)) bad.report(table[b]), valid = false;
+      if (!valid) continue;
+      for (int64_t h = tk.h0; h < tk.h1; ++h) {
+        // The part's K and V rows (kv head h), block by block. They lie anywhere in the pool: where K is
+        // transposed, K's rows are fetched kFetchRows positions ahead and V's meanwhile, for the pairing
+        // after; a tile of one row's vectors reads them as the hardware fetches them (prefetches there cost
+        // more than they saved).
+        for (int64_t j = 0; j < n;) {
+          const int64_t pos = p0 + j, at = table[pos / a.block_size] * a.block_stride + h * a.head_stride;
+          for (int64_t r = pos % a.block_size; r < a.block_size && j < n; ++r, ++j) {
+            k_rows[j] = a.k_ptr + at + r * a.row_stride;
+            v_rows[j] = a.v_ptr + at + r * a.row_stride;
+          }
+        }
+        // The query vectors of the rows that see the part, lane = (i - i0) * group + g; as few as one tile's
+        // (a decode row's), their scores straight from K's rows where a block holds whole runs of 16
+        // positions, else from K transposed.
+        const int64_t i0 = std::max<int64_t>(0, p0 - c.pos0), lanes = (c.len - i0) * group;
+        const bool from_rows = lanes <= 16 && a.block_size % tiles::kScoreRun == 0;
+        constexpr int64_t kFetchRows = 32;
+        for (int64_t j = 0; j < std::min(n, kFetchRows) && !from_rows; ++j) prefetch_l2(k_rows[j], kSize * 2);
+        for (int64_t j0 = 0; j0 < n && !from_rows; j0 += 16) {
+          const bf16* rows[16];
+          for (int64_t j = 0; j < 16; ++j) rows[j] = j0 + j < n ? k_rows[j0 + j] : nullptr;
+          for (int64_t j = j0 + kFetchRows; j < std::min(n, j0 + kFetchRows + 16); ++j)
+            prefetch_l2(k_rows[j], kSize * 2);
+          for (int64_t j = j0; j < std::min(n, j0 + 16); ++j) prefetch_l2(v_rows[j], kSize * 2);
+          bf16dot::transpose_k_64(rows, &kt[j0 * 2]);
+        }
+        const int64_t n32 = (n + tiles::kValueRun - 1) / tiles::kValueRun * tiles::kValueRun;
+        // V paired once K is scored (and V fetched meanwhile).
+        const auto pair_values = [&] {
+          for (int64_t j = 0; j < n32; j += 2)
+            bf16dot::pair_v_64(j < n ? v_rows[j] : kZeros, j + 1 < n ? v_rows[j + 1] : kZeros, &vp[j * 2]);
+        };
+        if (!from_rows) pair_values();
+        for (int64_t l0 = 0; l0 < lanes; l0 += 16) {
+          const int64_t m = std::min<int64_t>(16, lanes - l0);
+          for (int64_t l = 0; l < m; ++l) {
+            const int64_t i = i0 + (l0 + l) / group, g = (l0 + l) % group;
+            const bf16* q = a.q_ptr + (c.row0 + i) * a.q_stride + (h * group + g) * kSize;
+            std::copy(q, q + kSize, &qa[l * kSize]);
+          }
+          if (from_rows) {
+            tiles::query_pairs(qa.data(), kt.data());
+            for (int64_t j0 = 0; j0 < n; j0 += 4 * tiles::kScoreRun) {
+              const int64_t run = std::min(4 * tiles::kScoreRun, n - j0);
+              tiles::scores_from_rows(kt.data(), &k_rows[j0], a.row_stride, run, m, &s[j0], room);
+            }
+            pair_values();
+          } else {
+            tiles::scores(qa.data(), kt.data(), n, s.data(), room);
+          }
+          float* slot[16];
+          for (int64_t l = 0; l < m; ++l) {
+            const int64_t i = i0 + (l0 + l) / group, g = (l0 + l) % group;
+            slot[l] =
+                partial0 + first[tk.block] + (((h * c.len + i) * group + g) * parts + tk.part) * kStride;
+            const int64_t visible = std::min(n, c.pos0 + i + 1 - p0);
+            slot[l][kSize + 1] =
+                tiles::weights(&s[l * room], visible, a.fscale, &w[l * room], n32, &slot[l][kSize]);
+          }
+          tiles::values(w.data(), room, vp.data(), n32 / tiles::kValueRun, out.data());
+          for (int64_t l = 0; l < m; ++l) std::copy(&out[l * kSize], &out[(l + 1) * kSize], slot[l]);
+        }
+      }
+    }
+    _tile_release();
+    // Each row's parts merged (the bad block, if any, is reported after).
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < num_blocks * a.num_kv_heads; ++k) {
+      const RowChunk& c = blocks[k / a.num_kv_heads];
+      const int64_t h = k % a.num_kv_heads, parts = (c.pos0 + c.len + part_tokens - 1) / part_tokens;
+      for (int64_t i = 0; i < c.len; ++i)
+        for (int64_t g = 0; g < group; ++g) {
+          const float* base =
+              partial0 + first[k / a.num_kv_heads] + ((h * c.len + i) * group + g) * parts * kStride;
+          merge_parts(base, base + kSize, base + kSize + 1, kStride, (c.pos0 + i) / part_tokens + 1, kSize,
+                      sum_v.data(), a.out_ptr + (c.row0 + i) * a.out_stride + (h * group + g) * kSize);
+        }
+    }
+  }
+  bad.check(a.num_blocks);
+}
+#endif
+
 }  // namespace
+
+bool invariant_tiles_fit(const at::Tensor& k_cache) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  return k_cache.scalar_type() == at::kBFloat16 && k_cache.size(3) == 64 && amx_enabled();
+#else
+  (void)k_cache;
+  return false;
+#endif
+}
 
 bool blocked_rows_fit(const at::Tensor& k_cache) {
 #if defined(__AVX512BF16__)
@@ -635,6 +826,11 @@ bool blocked_rows_fit(const at::Tensor& k_cache) {
 
 template <typename T>
 void blocked_rows(const AttentionArgs<T>& a, const std::vector<RowChunk>& blocks) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (a.head_dim == 64 && amx_enabled()) return invariant_tiles_bf16_64(a, blocks);
+  }
+#endif
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (a.head_dim == 64 && a.block_size % 2 == 0) return blocked_rows_bf16_64(a, blocks);
