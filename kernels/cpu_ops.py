@@ -161,6 +161,12 @@ class CpuOps(ReferenceOps):
     def batch_invariant(self) -> bool:
         return self._extension.batch_invariant()
 
+    @property
+    def tiles_sum_in_chains(self) -> bool:
+        """Whether this CPU's AMX tiles round as the few-row linear's FMAs in the tiles' order do (probed once
+        a process; docs/kernels.md, "Batch invariance"): batch invariance then keeps the default's speed."""
+        return self._extension.has_amx() and self._extension.tiles_sum_in_chains()
+
     @batch_invariant.setter
     def batch_invariant(self, on: bool) -> None:
         # Process-wide, as the kernels' other switches: every caller of the extension sees it.

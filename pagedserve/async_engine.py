@@ -80,7 +80,7 @@ class AsyncEngineArgs:
     # Speculative decoding, vLLM's dict ({"method": "ngram", "num_speculative_tokens": k, ...}); None: off.
     speculative_config: dict | str | None = None
     # Batch-invariant kernels (see EngineConfig.deterministic).
-    deterministic: bool = DEFAULT_DETERMINISTIC
+    deterministic: bool | None = DEFAULT_DETERMINISTIC
 
     def engine_config(self) -> EngineConfig:
         kv_cache_memory = self.kv_cache_memory

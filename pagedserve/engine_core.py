@@ -121,7 +121,7 @@ class EngineConfig:
     # JSON text or SpeculativeConfig); None: off. Checked here, before the model loads.
     speculative_config: SpeculativeConfig | dict | str | None = None
     # Batch-invariant kernels: a request's tokens do not depend on the rest of the batch (see kernels.ops.Ops).
-    deterministic: bool = DEFAULT_DETERMINISTIC
+    deterministic: bool | None = DEFAULT_DETERMINISTIC
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))

@@ -57,7 +57,7 @@ class EnvFlags:
             **kwargs,
         )
 
-    def add_bool(self, flag: str, help_text: str, default: bool) -> None:
+    def add_bool(self, flag: str, help_text: str, default: bool | None) -> None:
         var = env_var(flag)
         self.parser.add_argument(
             flag,

@@ -102,3 +102,27 @@ def test_a_request_has_its_tokens_after_preemption_and_recompute(dtype):
     llm = LLM(dtype=dtype, deterministic=True, num_blocks=80)
     assert _targets_within(llm, _others(12)) == list(_alone(dtype))
     assert llm.scheduler.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantization", "on_where_measured"),
+    [("bfloat16", None, True), ("float32", None, False), ("bfloat16", "gptq", False)],
+)
+def test_deterministic_is_the_default_where_its_cost_was_measured(dtype, quantization, on_where_measured):
+    """Without --deterministic or --no-deterministic, batch invariance is on for the CPU kernels in bf16
+    with AMX tiles that round as the few-row linear's FMAs (its cost measured within 3 %), on unquantized
+    weights; off in float32, for quantized weights and on other backends."""
+    import torch
+
+    from pagedserve.kernels import get_ops
+    from pagedserve.kernels.reference import ReferenceOps
+    from pagedserve.worker_svc.assembly import default_deterministic
+
+    ops = get_ops(torch.device("cpu"))
+    cheap = getattr(ops, "tiles_sum_in_chains", False)
+    torch_dtype = getattr(torch, dtype)
+    assert default_deterministic(ops, torch_dtype, quantization) is (on_where_measured and cheap)
+    assert not default_deterministic(ReferenceOps(), torch_dtype, quantization)
+    if on_where_measured:
+        assert LLM(dtype=dtype).runner.ops.batch_invariant is cheap
+        assert LLM(dtype=dtype, deterministic=False).runner.ops.batch_invariant is False

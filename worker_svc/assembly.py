@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.kernels import get_ops
+from pagedserve.kernels.cpu_ops import CpuOps
 from pagedserve.kernels.ops import Ops
 from pagedserve.logging import get_logger
 from pagedserve.model_files import GenerationInfo, load_generation_info, model_name, resolve_model
@@ -39,6 +40,7 @@ from pagedserve.worker_svc.parallel import (
     start_group,
     stop_group,
 )
+from pagedserve.worker_svc.quantization import resolve_quantization
 from pagedserve.worker_svc.runner import ModelRunner
 from pagedserve.worker_svc.sampler import Sampler
 
@@ -97,6 +99,20 @@ class Shard:
     device: torch.device
 
 
+def default_deterministic(ops: Ops, dtype: torch.dtype, quantization: str | None) -> bool:
+    """Batch invariance unless asked otherwise: where its cost on the mixed workload was measured within 3 %
+    (docs/performance.md, "Deterministic decoding"): the CPU kernels in bfloat16 with AMX tiles that round as
+    the few-row linear's FMAs do (CpuOps.tiles_sum_in_chains), on unquantized weights (the quantized linear is
+    not batch-invariant: --deterministic loads them dequantized). Elsewhere (float32, no AMX, CUDA, quantized)
+    it is off: its cost there is larger or unmeasured, or, on CUDA, the linear layers are not invariant."""
+    return (
+        isinstance(ops, CpuOps)
+        and dtype == torch.bfloat16
+        and quantization is None
+        and ops.tiles_sum_in_chains
+    )
+
+
 def load_shard(
     model: str | None,
     *,
@@ -106,7 +122,7 @@ def load_shard(
     num_blocks: int | None,
     kv_cache_memory: int | None,
     gpu_memory_utilization: float,
-    deterministic: bool = DEFAULT_DETERMINISTIC,
+    deterministic: bool | None = DEFAULT_DETERMINISTIC,
     quantization: str = "auto",
     group: ParallelGroup | None = None,
 ) -> Shard:
@@ -119,6 +135,8 @@ def load_shard(
     mc = read_model_config(model_dir)
     ops = get_ops(torch_device)
     check_kernel_shapes(ops, mc.head_dim, block_size, torch_dtype)
+    if deterministic is None:
+        deterministic = default_deterministic(ops, torch_dtype, resolve_quantization(model_dir, quantization))
     ops.batch_invariant = deterministic
     if deterministic and ops.name != "cpu":
         log.warning(
@@ -161,7 +179,7 @@ def assemble(
     threads: int | None = None,
     on_rank_death: Callable[[int, int], None] | None = None,
     log_level: str = "info",
-    deterministic: bool = DEFAULT_DETERMINISTIC,
+    deterministic: bool | None = DEFAULT_DETERMINISTIC,
 ) -> LoadedWorker:
     """Load the model (a folder, a .gguf file, None for the default), size and allocate the KV pool (num_blocks,
     else from kv_cache_memory bytes, else the device's default budget), build the runner (its sampler's
@@ -279,6 +297,6 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         kv_cache_bytes=worker.kv_cache.num_bytes,
         max_model_len=worker.info.max_model_len,
         threads=torch.get_num_threads(),
-        deterministic=config.deterministic,
+        deterministic=worker.runner.ops.batch_invariant,
     )
     return worker

@@ -22,9 +22,10 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # On CUDA: decode batches up to this many sequences replay captured CUDA graphs.
 DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE = 256
 # Batch-invariant kernels (--deterministic; vLLM's VLLM_BATCH_INVARIANT): a request's tokens are the same
-# whatever runs beside it, however its prompt is chunked and after a recompute. Its cost and why it is the
-# default or not: docs/performance.md, "Deterministic decoding".
-DEFAULT_DETERMINISTIC = False
+# whatever runs beside it, however its prompt is chunked and after a recompute. None: on where its cost was
+# measured within 3 % (assembly.default_deterministic; docs/performance.md, "Deterministic decoding"), off
+# elsewhere; --deterministic / --no-deterministic decide.
+DEFAULT_DETERMINISTIC: bool | None = None
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --quantization: the checkpoint's own (auto), dequantized (none), or a method the checkpoint must have.
@@ -90,7 +91,7 @@ class WorkerConfig(ServiceTLSFields):
     enforce_eager: bool = False
     max_cudagraph_capture_size: int = DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE
     # Batch-invariant kernels: every row's K, V and logits independent of its step (see kernels.ops.Ops).
-    deterministic: bool = DEFAULT_DETERMINISTIC
+    deterministic: bool | None = DEFAULT_DETERMINISTIC
     # Longest sequence in tokens; None: the model's own context length.
     max_model_len: int | None = None
     # torch intra-op threads for the forward pass (each rank's); None: torch's default (one per core), the
@@ -229,7 +230,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     flags.add_bool(
         "--deterministic",
         "batch-invariant kernels: a request's tokens do not depend on what runs beside it, on how its prompt "
-        "is chunked or on a recompute after preemption or a failover (CPU kernels; see docs/kernels.md)",
+        "is chunked or on a recompute after preemption or a failover (CPU kernels; see docs/kernels.md); by "
+        "default on where it costs at most 3 %: the CPU kernels in bfloat16 with AMX, unquantized weights",
         DEFAULT_DETERMINISTIC,
     )
     # NOTE: two threads win when the cores are free; when other processes share them, OpenMP's threads wait
