@@ -53,6 +53,20 @@ def tokenizer():
     return Tokenizer.from_model_dir(resolve_model("default"))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _kernels_invariance_off_after_the_module():
+    """An engine a module's fixture builds (LLM() is batch-invariant by default on CPUs with AMX) leaves the
+    process-wide switch on for the module's tests; the next module starts with it off again, the kernels'
+    own state, which tests of their dispatch (oneDNN from many rows) rely on."""
+    yield
+    from pagedserve import kernels
+
+    if kernels._load_cpu_ops.cache_info().currsize > 0:
+        ops = kernels._load_cpu_ops()
+        if ops is not None:
+            ops.batch_invariant = False
+
+
 @pytest.fixture(autouse=True)
 def _kernels_left_as_found():
     """The CPU kernels' batch invariance is a switch of the process (an engine built with deterministic=True

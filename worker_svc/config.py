@@ -231,7 +231,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "--deterministic",
         "batch-invariant kernels: a request's tokens do not depend on what runs beside it, on how its prompt "
         "is chunked or on a recompute after preemption or a failover (CPU kernels; see docs/kernels.md); by "
-        "default on where it costs at most 3 %: the CPU kernels in bfloat16 with AMX, unquantized weights",
+        "default on where it costs at most 3 %%: the CPU kernels in bfloat16 with AMX, unquantized weights",
         DEFAULT_DETERMINISTIC,
     )
     # NOTE: two threads win when the cores are free; when other processes share them, OpenMP's threads wait
