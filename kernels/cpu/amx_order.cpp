@@ -18,7 +18,6 @@ namespace {
 
 constexpr int kProbeTiles = 4;   // K tiles summed into each output
 constexpr int kProbeRounds = 8;  // tiles of 16 x 16 outputs
-constexpr unsigned kFtzDaz = 0x8040;
 
 // A pseudo-random bf16 (xorshift): a sign, an exponent of [60, 160) (so that products run from denormals to
 // about 2^66 and sums of both signs cancel), 7 bits of mantissa; one in 16 a zero, one in 16 a denormal.
@@ -35,13 +34,6 @@ uint16_t probe_bf16(uint64_t& state) {
   }
 }
 
-float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 // Output (m, n) of tdpbf16ps's sums over the tiles a[t] (16 x 32) by b[t] (16 pairs x 16 x 2), in the
 // tiles' order: per tile, the first and the second products of the pairs as two FMA chains from zero, their
 // sum added to the output; under MXCSR's flush of denormals.
@@ -50,10 +42,10 @@ float chains(const uint16_t (*a)[16][32], const uint16_t (*b)[16][32], int m, in
   for (int t = 0; t < kProbeTiles; ++t) {
     __m128 first = _mm_setzero_ps(), second = _mm_setzero_ps();
     for (int p = 0; p < 16; ++p) {
-      first = _mm_fmadd_ss(_mm_set_ss(bf16_to_float(a[t][m][2 * p])),
-                           _mm_set_ss(bf16_to_float(b[t][p][2 * n])), first);
-      second = _mm_fmadd_ss(_mm_set_ss(bf16_to_float(a[t][m][2 * p + 1])),
-                            _mm_set_ss(bf16_to_float(b[t][p][2 * n + 1])), second);
+      first = _mm_fmadd_ss(_mm_set_ss(c10::detail::f32_from_bits(a[t][m][2 * p])),
+                           _mm_set_ss(c10::detail::f32_from_bits(b[t][p][2 * n])), first);
+      second = _mm_fmadd_ss(_mm_set_ss(c10::detail::f32_from_bits(a[t][m][2 * p + 1])),
+                            _mm_set_ss(c10::detail::f32_from_bits(b[t][p][2 * n + 1])), second);
     }
     sum = _mm_add_ss(sum, _mm_add_ss(first, second));
   }
@@ -80,7 +72,7 @@ bool probe_chains() {
     }
     _tile_stored(0, tiles, 64);
     _tile_release();
-    _mm_setcsr(mxcsr | kFtzDaz);
+    _mm_setcsr(mxcsr | kFlushDenormals);
     for (int m = 0; m < 16; ++m)
       for (int n = 0; n < 16; ++n) {
         const float want = chains(a, b, m, n);

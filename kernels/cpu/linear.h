@@ -40,7 +40,9 @@ class Tensor;
 
 namespace pagedserve::cpu {
 
-constexpr int64_t kBlock = 16;         // output columns of a packed block
+constexpr int64_t kBlock = 16;  // output columns of a packed block
+// MXCSR's FTZ and DAZ: denormal results and inputs as zeros, as tdpbf16ps takes them (see amx_tile_order).
+constexpr unsigned kFlushDenormals = 0x8040;
 constexpr int64_t kAmxTilePairs = 16;  // K pairs of an AMX tile: 32 bf16, 64 bytes, a W tile's 16 lines
 // How far ahead of the line being read a stream of W is prefetched, into L2; four streams side by side (the
 // decode rows, see BlockRuns) each prefetch nearer.

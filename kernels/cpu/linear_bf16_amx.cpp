@@ -220,8 +220,9 @@ void amx_region(int threads, const c10::BFloat16* x, int64_t ldx, int64_t m, int
 // The bf16 linear on AMX (see use_amx). Each thread takes a contiguous run of blocks, in panels (see
 // panel_blocks), and walks each panel's blocks two at a time under the x tiles, two at a time (amx_walk).
 // NOTE: bits. Both walk K in order, as block_kernel does where it keeps one chain a row (8 rows and more,
-// unroll()), but tdpbf16ps rounds inside a pair's two products differently in rare cases: about 1 output
-// in 5,000 differs from AVX-512's, by a bf16 step (more only where a sum cancels to near zero).
+// unroll()), but tdpbf16ps sums a tile's first and second products of the pairs as two chains (see
+// linear_bf16_avx512.cpp tile_streams), where vdpbf16ps adds a pair's two products in turn: about 1 output
+// in 5,000 differs from AVX-512 BF16's, by a bf16 step (more only where a sum cancels to near zero).
 void linear_amx(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w, int64_t pairs,
                 int64_t n, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
   const int64_t blocks = (n + kBlock - 1) / kBlock, block_elems = pairs * 2 * kBlock;

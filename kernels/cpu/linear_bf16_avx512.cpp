@@ -175,7 +175,6 @@ constexpr std::array kStreams2 = {make_streams_tables<2, kTwoStreamRows, false>(
 // widened to its two halves (the first products' weights by a shift, the second's by a mask), times x's
 // pair as two broadcasts, under MXCSR's flush of denormals; the bias is added and the sum rounded after it,
 // as store_amx_tile does. amx_order.cpp probes the match on the CPU before this path is taken.
-constexpr unsigned kFlushDenormals = 0x8040;  // MXCSR's FTZ and DAZ
 // Rows up to which the tiles' order streams W as four streams, two chains a row and stream in registers.
 constexpr int kTileFourStreamRows = 3;
 
